@@ -1,0 +1,27 @@
+"""qwen3vl-static: Qwen3-VL with a static-cache, CUDA-graph decode loop, as a plain transformers model.
+
+Importing the package registers the classes with the Auto classes, so `from_pretrained` on a converted
+checkpoint resolves to them with or without `trust_remote_code`.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText
+
+from .cache_qwen3vl_graph import ASStaticCache
+from .compat_qwen3vl_graph import AUTO_MODEL_FOR_VISION2SEQ
+from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
+from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration, Qwen3VLGraphModel
+
+__version__ = "0.1.0"
+
+AutoConfig.register(Qwen3VLGraphConfig.model_type, Qwen3VLGraphConfig, exist_ok=True)
+AutoModel.register(Qwen3VLGraphConfig, Qwen3VLGraphModel, exist_ok=True)
+AutoModelForImageTextToText.register(Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, exist_ok=True)
+if AUTO_MODEL_FOR_VISION2SEQ is not None:
+    AUTO_MODEL_FOR_VISION2SEQ.register(Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, exist_ok=True)
+
+# save_pretrained copies the modeling files and writes `auto_map` only for classes registered this way.
+Qwen3VLGraphConfig.register_for_auto_class("AutoConfig")
+Qwen3VLGraphModel.register_for_auto_class("AutoModel")
+Qwen3VLGraphForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
+
+__all__ = ["ASStaticCache", "Qwen3VLGraphConfig", "Qwen3VLGraphForConditionalGeneration", "Qwen3VLGraphModel"]

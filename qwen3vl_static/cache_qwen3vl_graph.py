@@ -1,0 +1,55 @@
+"""ASStaticCache: the one persistent KV cache of a model.
+
+Allocated once for `max_batch_size` rows x `static_cache_len` slots, so the tensor addresses that CUDA graphs bake
+in never change. A request activates its first rows as views of the same storage; `reset()` only rewinds the
+write position, because no path ever reads a slot that the current request has not written.
+"""
+
+import torch
+from transformers.cache_utils import StaticCache
+
+
+class ASStaticCache(StaticCache):
+    def __init__(self, config, max_batch_size: int, static_cache_len: int, device, dtype: torch.dtype):
+        super().__init__(config=config, max_cache_len=static_cache_len)
+        text_config = config.get_text_config(decoder=True)
+        kv_heads = text_config.num_key_value_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        probe = torch.empty(max_batch_size, kv_heads, 0, head_dim, device=device, dtype=dtype)
+        for layer in self.layers:
+            layer.lazy_initialization(probe, probe)  # the stock allocation, once, at full size
+        self.rows = max_batch_size
+        self.capacity = static_cache_len
+        self.full_keys = [layer.keys for layer in self.layers]
+        self.full_values = [layer.values for layer in self.layers]
+
+    def check_capacity(self, batch_size: int, needed_len: int) -> None:
+        """Raise before anything is written when a request does not fit."""
+        if batch_size > self.rows:
+            raise ValueError(
+                f"This generate call needs {batch_size} cache rows but the model's static cache has "
+                f"{self.rows}. Raise `max_batch_size` in the config, e.g. "
+                f"from_pretrained(..., max_batch_size={batch_size})."
+            )
+        if needed_len > self.capacity:
+            raise ValueError(
+                f"This generate call needs {needed_len} cache slots per sequence (prompt + max_new_tokens - 1) but "
+                f"the model's static cache holds {self.capacity}. Raise `static_cache_len` in the config, e.g. "
+                f"from_pretrained(..., static_cache_len={needed_len}), or ask for fewer new tokens."
+            )
+
+    def activate(self, batch_size: int) -> None:
+        """Start a request of `batch_size` rows: views of the persistent storage, write position 0."""
+        for layer, keys, values in zip(self.layers, self.full_keys, self.full_values):
+            layer.keys, layer.values = keys[:batch_size], values[:batch_size]
+            layer.batch_size = batch_size
+        self.reset()
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.cumulative_length.zero_()
+
+    def set_length(self, length: int) -> None:
+        """Record that `length` slots are filled (after a decode loop that wrote the cache directly)."""
+        for layer in self.layers:
+            layer.cumulative_length.fill_(length)

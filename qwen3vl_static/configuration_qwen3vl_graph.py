@@ -1,0 +1,79 @@
+"""Configuration of the CUDA-graph Qwen3-VL model.
+
+A subclass of the stock `Qwen3VLConfig` with its own `model_type`, so a checkpoint converted for this
+package can never load silently into the stock class when `trust_remote_code=True` is forgotten.
+"""
+
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
+
+PATCH_EMBED_MODES = ("gemm", "conv3d", "channels_last_3d")
+
+
+class Qwen3VLGraphConfig(Qwen3VLConfig):
+    r"""
+    Everything of [`Qwen3VLConfig`] plus the settings of the static-cache / CUDA-graph decode path.
+
+    Args:
+        use_cuda_graphs (`bool`, defaults to `True`):
+            Replay the decode step as captured CUDA graphs when the model is on a CUDA device. When `False` (or on
+            the CPU) the same static-cache step runs eagerly.
+        max_batch_size (`int`, defaults to 8):
+            Rows of the one persistent KV cache. A `generate` call with more sequences raises a `ValueError`.
+        static_cache_len (`int`, defaults to 4096):
+            Tokens per row of the persistent KV cache: prompt + `max_new_tokens` - 1 must fit.
+        graph_batch_sizes (`list[int]`, *optional*):
+            Batch sizes captured as graphs; a batch is padded up to the next one. Defaults to powers of two up to
+            `max_batch_size`.
+        graph_cache_lengths (`list[int]`, *optional*):
+            KV-length buckets ("milestones"): a graph attends to the first `n` cache slots only. Defaults to
+            powers of two from 256 up to `static_cache_len`.
+        patch_embed_mode (`str`, defaults to `"gemm"`):
+            How the vision patch embedding runs: `"gemm"` (the stride-equals-kernel Conv3d as one matrix product on
+            the same weights), `"conv3d"` (stock) or `"channels_last_3d"` (Conv3d in channels-last-3d layout).
+        allow_tf32 (`bool`, defaults to `False`):
+            Opt-in: allow TF32 for float32 matmuls and cuDNN convolutions (changes float32 numerics).
+        cudnn_benchmark (`bool`, defaults to `False`):
+            Opt-in: set `torch.backends.cudnn.benchmark = True`.
+    """
+
+    model_type = "qwen3_vl_graph"
+
+    use_cuda_graphs: bool = True
+    max_batch_size: int = 8
+    static_cache_len: int = 4096
+    graph_batch_sizes: list[int] | None = None
+    graph_cache_lengths: list[int] | None = None
+    patch_embed_mode: str = "gemm"
+    allow_tf32: bool = False
+    cudnn_benchmark: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.patch_embed_mode not in PATCH_EMBED_MODES:
+            raise ValueError(f"patch_embed_mode must be one of {PATCH_EMBED_MODES}, got {self.patch_embed_mode!r}")
+
+    # Buckets are derived when used, not stored: `from_pretrained(..., static_cache_len=N)` sets fields after
+    # `__post_init__`, and a stored default would then be stale.
+    def batch_buckets(self) -> list[int]:
+        """Sorted batch sizes that get a graph; the last one is `max_batch_size`."""
+        return _buckets(self.graph_batch_sizes, 1, self.max_batch_size, "graph_batch_sizes", "max_batch_size")
+
+    def cache_buckets(self) -> list[int]:
+        """Sorted KV lengths that get a graph; the last one is `static_cache_len`."""
+        return _buckets(self.graph_cache_lengths, 256, self.static_cache_len, "graph_cache_lengths", "static_cache_len")
+
+
+def _buckets(chosen, start, top, name, top_name) -> list[int]:
+    if top < 1:
+        raise ValueError(f"{top_name} must be positive, got {top}")
+    if chosen is None:
+        # Powers of two from `start` below `top`, then `top` itself: every size up to `top` has a bucket.
+        chosen = []
+        size = start
+        while size < top:
+            chosen.append(size)
+            size *= 2
+    sizes = sorted({int(size) for size in chosen} | {top})
+    if sizes[0] < 1 or sizes[-1] > top:
+        raise ValueError(f"{name}={chosen} must lie between 1 and {top_name}={top}")
+    return sizes

@@ -1,0 +1,180 @@
+"""Model definitions that need no download: the real Qwen3-VL-2B architecture and tiny test models.
+
+Not uploaded to the Hub. The real config (architecture only; no weights exist offline) drives GPU demos and
+benchmarks with random weights of the exact shapes; the tiny config and processor drive CPU demos and tests.
+"""
+
+import json
+from pathlib import Path
+
+from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
+
+REAL_2B_DIR = Path(__file__).with_name("assets") / "qwen3-vl-2b"
+
+# Qwen's special tokens, in the order they get ids after the 256 byte tokens of the tiny tokenizer.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+TINY_VOCAB = 256 + len(SPECIAL_TOKENS)
+TINY_IDS = {token: 256 + index for index, token in enumerate(SPECIAL_TOKENS)}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def real_2b_config(**overrides) -> Qwen3VLGraphConfig:
+    """The exact Qwen/Qwen3-VL-2B-Instruct architecture as this package's config."""
+    values = json.loads((REAL_2B_DIR / "config.json").read_text())
+    values.pop("model_type")
+    return Qwen3VLGraphConfig(**{**values, **overrides})
+
+
+def real_2b_generation_config():
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(REAL_2B_DIR)
+
+
+def tiny_config_dict() -> dict:
+    """A few-layer Qwen3-VL with every feature of the real one (GQA, QK-norm, interleaved M-RoPE, DeepStack)."""
+    return {
+        "text_config": {
+            "vocab_size": TINY_VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+            "tie_word_embeddings": True,
+            "bos_token_id": TINY_IDS["<|endoftext|>"],
+            "eos_token_id": TINY_IDS["<|im_end|>"],
+            "pad_token_id": TINY_IDS["<|endoftext|>"],
+            "initializer_range": 0.2,
+        },
+        "vision_config": {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0, 1],
+            "initializer_range": 0.2,
+        },
+        "image_token_id": TINY_IDS["<|image_pad|>"],
+        "video_token_id": TINY_IDS["<|video_pad|>"],
+        "vision_start_token_id": TINY_IDS["<|vision_start|>"],
+        "vision_end_token_id": TINY_IDS["<|vision_end|>"],
+        "tie_word_embeddings": True,
+    }
+
+
+def tiny_config(**overrides) -> Qwen3VLGraphConfig:
+    return Qwen3VLGraphConfig(**{**tiny_config_dict(), **overrides})
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer that knows Qwen's special tokens and chat format (built offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_image_processor():
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=256 * 256,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+
+
+def tiny_inputs(conversations, images=(), video_grids=(), tokenizer=None, image_processor=None, seed=0):
+    """What `Qwen3VLProcessor(...)` returns for these chats, without its torchvision-only video processor.
+
+    `conversations`: one chat (a list of messages with `{"type": "image" | "video" | "text"}` parts) per row.
+    `images`: PIL images in order of appearance. `video_grids`: one `(frames, h, w)` patch grid per video in
+    order of appearance (`frames` counted after temporal merging); videos get random pixels. Rows are left
+    padded. Returns `input_ids`, `attention_mask`, `mm_token_type_ids` and the pixel inputs.
+    """
+    import torch
+
+    tokenizer = tokenizer or tiny_tokenizer()
+    image_processor = image_processor or tiny_image_processor()
+    merge = image_processor.merge_size**2
+    batch = {}
+    image_counts = []
+    if images:
+        encoded = image_processor(images=list(images), return_tensors="pt")
+        batch.update(pixel_values=encoded["pixel_values"], image_grid_thw=encoded["image_grid_thw"])
+        image_counts = (encoded["image_grid_thw"].prod(-1) // merge).tolist()
+    if video_grids:
+        grids = torch.tensor(video_grids, dtype=torch.long)
+        patch_dim = 3 * image_processor.temporal_patch_size * image_processor.patch_size**2
+        generator = torch.Generator().manual_seed(seed)
+        batch.update(
+            pixel_values_videos=torch.randn(int(grids.prod(-1).sum()), patch_dim, generator=generator),
+            video_grid_thw=grids,
+        )
+    frames = [(int(t), int(h * w) // merge) for t, h, w in video_grids]
+    rows = []
+    for chat in conversations:
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        pieces = []
+        for index, piece in enumerate(text.split("<|image_pad|>")):
+            if index:
+                pieces.append("<|image_pad|>" * image_counts.pop(0))
+            pieces.append(piece)
+        text = "".join(pieces)
+        pieces = []
+        for index, piece in enumerate(text.split("<|vision_start|><|video_pad|><|vision_end|>")):
+            if index:
+                count, tokens = frames.pop(0)
+                # Qwen3-VL separates video frames by a timestamp: one vision block per frame.
+                pieces.append(
+                    "".join(f"<{second}.0 seconds><|vision_start|>{'<|video_pad|>' * tokens}<|vision_end|>"
+                            for second in range(count))
+                )
+            pieces.append(piece)
+        rows.append(tokenizer("".join(pieces), add_special_tokens=False)["input_ids"])
+    width = max(len(row) for row in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
+    attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    mm_token_type_ids = (input_ids == TINY_IDS["<|image_pad|>"]).int() + 2 * (input_ids == TINY_IDS["<|video_pad|>"]).int()
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": mm_token_type_ids, **batch}
