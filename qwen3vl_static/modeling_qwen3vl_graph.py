@@ -60,18 +60,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Name every Auto class in `auto_map`, not only the ones the classes were registered for.
-        modeling = type(self).__module__.rsplit(".", 1)[-1]
-        configuration = type(self.config).__module__.rsplit(".", 1)[-1]
-        auto_map = dict(getattr(self.config, "auto_map", None) or {})
-        auto_map.update(
-            {
-                "AutoConfig": f"{configuration}.{type(self.config).__name__}",
-                "AutoModel": f"{modeling}.{Qwen3VLGraphModel.__name__}",
-                "AutoModelForImageTextToText": f"{modeling}.{type(self).__name__}",
-                "AutoModelForVision2Seq": f"{modeling}.{type(self).__name__}",
-            }
-        )
-        self.config.auto_map = auto_map
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map()}
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     # transformers would wrap each decode step in torch.compile(mode="reduce-overhead") as soon as it sees a
@@ -95,7 +84,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
     def _static_loop_blocker(self, generation_config, model_kwargs, generation_mode) -> str | None:
         """Why this call must run transformers' own loop, or None when the static loop covers it."""
         if generation_mode not in _LOOP_MODES:
-            return f"generation mode {generation_mode!s}"
+            return f"generation mode {generation_mode.value!r}"
         if model_kwargs.get(CACHE_KWARG) is not None:
             return "a cache passed by the caller"
         if generation_config.cache_implementation not in (None, "static"):
@@ -183,6 +172,19 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 input_ids, tuple(scores) if keep_scores else None, tuple(raw_logits) if keep_logits else None, cache
             )
         return input_ids
+
+
+def auto_map() -> dict[str, str]:
+    """`auto_map` of a saved or converted checkpoint: each Auto class -> its class in the module files beside it."""
+    modeling = __name__.rsplit(".", 1)[-1]
+    configuration = Qwen3VLGraphConfig.__module__.rsplit(".", 1)[-1]
+    model = f"{modeling}.{Qwen3VLGraphForConditionalGeneration.__name__}"
+    return {
+        "AutoConfig": f"{configuration}.{Qwen3VLGraphConfig.__name__}",
+        "AutoModel": f"{modeling}.{Qwen3VLGraphModel.__name__}",
+        "AutoModelForImageTextToText": model,
+        "AutoModelForVision2Seq": model,
+    }
 
 
 __all__ = ["Qwen3VLGraphModel", "Qwen3VLGraphForConditionalGeneration"]

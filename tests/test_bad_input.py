@@ -1,0 +1,50 @@
+"""Bad input gets a clear error before anything is written, and the model keeps generating correctly."""
+
+import pytest
+
+from conftest import build, chat, image
+from qwen3vl_static.presets import tiny_inputs
+
+PROMPT = ([[chat("image", "What is it?")], [chat("Hello there")]], {"images": [image(64, 64)]})
+
+
+def generate_matches_stock(ours, stock):
+    model_inputs = build(PROMPT)
+    expected = stock.generate(**model_inputs, max_new_tokens=10, do_sample=False)
+    assert ours.generate(**model_inputs, max_new_tokens=10, do_sample=False).tolist() == expected.tolist()
+
+
+def test_over_capacity_raises_before_writing(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build(PROMPT)
+    cache = ours.static_cache()
+    keys_before = cache.full_keys[0].clone()
+    prompt_len = model_inputs["input_ids"].shape[1]
+    too_many = ours.config.static_cache_len - prompt_len + 2
+    with pytest.raises(ValueError, match=rf"needs {prompt_len + too_many - 1} cache slots.*holds 160.*static_cache_len"):
+        ours.generate(**model_inputs, max_new_tokens=too_many, do_sample=False)
+    assert cache.full_keys[0].equal(keys_before)
+    generate_matches_stock(ours, stock)
+
+
+def test_too_many_rows_raises(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = tiny_inputs([[chat("a" * length)] for length in range(1, 6)])
+    with pytest.raises(ValueError, match=r"needs 5 cache rows.*has 4.*max_batch_size"):
+        ours.generate(**model_inputs, max_new_tokens=4, do_sample=False)
+    generate_matches_stock(ours, stock)
+
+
+def test_images_without_mm_token_type_ids_behave_as_stock(tiny_pair):
+    """Whatever the installed transformers does without them (an error, or text-only positions), we do too."""
+    ours, stock = tiny_pair
+    model_inputs = build(PROMPT)
+    del model_inputs["mm_token_type_ids"]
+    try:
+        expected = stock.generate(**model_inputs, max_new_tokens=4, do_sample=False)
+    except Exception as stock_error:
+        with pytest.raises(type(stock_error)):
+            ours.generate(**model_inputs, max_new_tokens=4, do_sample=False)
+    else:
+        assert ours.generate(**model_inputs, max_new_tokens=4, do_sample=False).tolist() == expected.tolist()
+    generate_matches_stock(ours, stock)

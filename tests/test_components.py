@@ -1,0 +1,69 @@
+"""Cache, patch embedding and config pieces on their own."""
+
+import pytest
+import torch
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchEmbed
+
+from conftest import build, chat, image
+from qwen3vl_static import ASStaticCache, Qwen3VLGraphConfig
+from qwen3vl_static.presets import real_2b_config, tiny_config
+from qwen3vl_static.vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed
+
+
+@pytest.mark.parametrize("mode", ["gemm", "conv3d", "channels_last_3d"])
+def test_patch_embed_modes_equal_stock_conv3d(mode):
+    config = tiny_config().vision_config
+    torch.manual_seed(0)
+    stock = Qwen3VLVisionPatchEmbed(config)
+    ours = Qwen3VLGraphPatchEmbed(config, mode=mode)
+    ours.load_state_dict(stock.state_dict())  # strict: same parameter names and shapes
+    pixels = torch.randn(24, 3 * 2 * 16 * 16)
+    torch.testing.assert_close(ours(pixels), stock(pixels), rtol=1e-5, atol=1e-5)
+
+
+def test_model_uses_configured_patch_embed():
+    from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
+
+    model = Qwen3VLGraphForConditionalGeneration(tiny_config(patch_embed_mode="channels_last_3d"))
+    assert isinstance(model.model.visual.patch_embed, Qwen3VLGraphPatchEmbed)
+    assert model.model.visual.patch_embed.mode == "channels_last_3d"
+    with pytest.raises(ValueError, match="patch_embed_mode"):
+        tiny_config(patch_embed_mode="winograd")
+
+
+def test_cache_is_allocated_once_and_keeps_addresses(tiny_pair):
+    ours, stock = tiny_pair
+    cache = ours.static_cache()
+    pointers = [keys.data_ptr() for keys in cache.full_keys]
+    for rows in ([[chat("one")]], [[chat("image", "two")], [chat("rows")]]):
+        media = {"images": [image(64, 64)]} if len(rows) == 2 else {}
+        ours.generate(**build((rows, media)), max_new_tokens=3, do_sample=False)
+        assert ours.static_cache() is cache
+        assert [keys.data_ptr() for keys in cache.full_keys] == pointers
+        assert cache.layers[0].keys.shape[0] == len(rows)  # activated rows are views of the storage
+        assert cache.layers[0].keys.data_ptr() == pointers[0]
+    assert isinstance(cache, ASStaticCache) and cache.full_keys[0].shape[:3] == (4, 2, 160)
+
+
+def test_cache_length_after_generate_matches_written_slots(tiny_pair):
+    ours, _ = tiny_pair
+    model_inputs = build(([[chat("count me")]], {}))
+    out = ours.generate(**model_inputs, max_new_tokens=6, do_sample=False)
+    assert int(ours.static_cache().get_seq_length()) == out.shape[1] - 1
+
+
+def test_buckets_derive_from_limits():
+    config = Qwen3VLGraphConfig(max_batch_size=6, static_cache_len=1000)
+    assert config.batch_buckets() == [1, 2, 4, 6]
+    assert config.cache_buckets() == [256, 512, 1000]
+    config.static_cache_len = 300  # as from_pretrained(..., static_cache_len=300) sets it
+    assert config.cache_buckets() == [256, 300]
+    with pytest.raises(ValueError, match="graph_batch_sizes"):
+        Qwen3VLGraphConfig(max_batch_size=2, graph_batch_sizes=[1, 4]).batch_buckets()
+
+
+def test_real_2b_architecture_ships_with_the_package():
+    config = real_2b_config()
+    assert config.model_type == "qwen3_vl_graph"
+    assert (config.text_config.num_hidden_layers, config.text_config.hidden_size) == (28, 2048)
+    assert config.vision_config.deepstack_visual_indexes == [5, 11, 17]

@@ -1,0 +1,148 @@
+"""Greedy/sampled output of the static decode loop equals stock transformers token for token (fp32, CPU)."""
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer
+
+from conftest import build, chat, image
+from qwen3vl_static.presets import TINY_IDS, tiny_inputs, tiny_tokenizer
+
+TEXT = [[chat("Describe a cat in one line.")]]
+ONE_IMAGE = ([[chat("image", "What is in the picture?")]], {"images": [image(64, 96)]})
+TWO_IMAGES = ([[chat("image", "and", "image", "compare them")]], {"images": [image(64, 64), image(128, 96, "blue")]})
+VIDEO = ([[chat("video", "What happens?")]], {"video_grids": [(2, 4, 6)]})
+MIXED_BATCH = (
+    [[chat("image", "What is it?")], [chat("Hi")], [chat("video", "Summarise the clip, please.")]],
+    {"images": [image(96, 64)], "video_grids": [(3, 4, 4)]},
+)
+
+
+def assert_same_generate(ours, stock, model_inputs, **kwargs):
+    expected = stock.generate(**model_inputs, **kwargs)
+    got = ours.generate(**model_inputs, **kwargs)
+    sequences = got.sequences if hasattr(got, "sequences") else got
+    reference = expected.sequences if hasattr(expected, "sequences") else expected
+    assert sequences.tolist() == reference.tolist()
+    return got, expected
+
+
+def used_static_loop(model, model_inputs, sequences):
+    """The runner's fill level proves the static loop (not the stock fallback) produced these tokens."""
+    return model._runner is not None and model._runner.length == sequences.shape[1] - 1
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(TEXT, {}), ONE_IMAGE, TWO_IMAGES, VIDEO, MIXED_BATCH],
+    ids=["text", "one-image", "two-images", "video", "batch3-left-padded-mixed"],
+)
+def test_greedy_matches_stock(tiny_pair, case):
+    ours, stock = tiny_pair
+    conversations, media = case
+    model_inputs = tiny_inputs(conversations, **media)
+    got, _ = assert_same_generate(ours, stock, model_inputs, max_new_tokens=24, do_sample=False)
+    assert got.shape[1] == model_inputs["input_ids"].shape[1] + 24
+    assert used_static_loop(ours, model_inputs, got)
+
+
+def test_two_calls_in_a_row_and_multi_turn(tiny_pair):
+    ours, stock = tiny_pair
+    tokenizer = tiny_tokenizer()
+    first = [chat("image", "What colour?")]
+    model_inputs = tiny_inputs([first], images=[image(64, 64)])
+    answer = assert_same_generate(ours, stock, model_inputs, max_new_tokens=10, do_sample=False)[0]
+    reply = tokenizer.decode(answer[0, model_inputs["input_ids"].shape[1]:])
+    # Second turn: the first exchange plus a new image, a longer prompt on the same persistent cache.
+    second = first + [chat(reply, role="assistant"), chat("image", "And this one?")]
+    model_inputs = tiny_inputs([second], images=[image(64, 64), image(96, 64, "green")])
+    got, _ = assert_same_generate(ours, stock, model_inputs, max_new_tokens=12, do_sample=False)
+    assert used_static_loop(ours, model_inputs, got)
+
+
+def test_max_new_tokens_fills_capacity_exactly(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build(MIXED_BATCH)
+    capacity = ours.config.static_cache_len
+    # The last generated token is never fed back, so prompt + max_new_tokens - 1 slots are written.
+    new_tokens = capacity - model_inputs["input_ids"].shape[1] + 1
+    got, _ = assert_same_generate(ours, stock, model_inputs, max_new_tokens=new_tokens, do_sample=False)
+    assert ours._runner.length == capacity
+
+
+def test_seeded_sampling_matches_stock(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build(ONE_IMAGE)
+    kwargs = dict(max_new_tokens=20, do_sample=True, temperature=0.9, top_k=50, top_p=0.95)
+    torch.manual_seed(1234)
+    expected = stock.generate(**model_inputs, **kwargs)
+    torch.manual_seed(1234)
+    got = ours.generate(**model_inputs, **kwargs)
+    assert got.tolist() == expected.tolist()
+
+
+def test_eos_list_pads_finished_rows_like_stock(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build(MIXED_BATCH)
+    # Pick EOS ids that the greedy continuation really produces, so rows stop at different steps.
+    free_run = stock.generate(**model_inputs, max_new_tokens=20, do_sample=False)
+    generated = free_run[:, model_inputs["input_ids"].shape[1]:]
+    eos = [int(generated[0, 3]), int(generated[2, 8])]
+    got, expected = assert_same_generate(
+        ours, stock, model_inputs, max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=TINY_IDS["<|endoftext|>"]
+    )
+    assert (expected[:, -1] == TINY_IDS["<|endoftext|>"]).any()
+
+
+def test_stop_strings_and_streamer(tiny_pair):
+    ours, stock = tiny_pair
+    tokenizer = tiny_tokenizer()
+    model_inputs = build((TEXT, {}))
+    prompt_len = model_inputs["input_ids"].shape[1]
+    free_run = stock.generate(**model_inputs, max_new_tokens=20, do_sample=False)
+    # A generated token that decodes to plain ASCII (random byte tokens are often partial UTF-8).
+    texts = [tokenizer.decode(token) for token in free_run[0, prompt_len:-1]]
+    stop = next(text for text in texts[2:] if text.isascii() and text.isprintable() and text.strip())
+    got, expected = assert_same_generate(
+        ours, stock, model_inputs, max_new_tokens=20, do_sample=False, stop_strings=[stop], tokenizer=tokenizer
+    )
+    assert expected.shape[1] < free_run.shape[1]
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    ours.generate(**model_inputs, max_new_tokens=20, do_sample=False, streamer=streamer)
+    assert "".join(streamer) == tokenizer.decode(free_run[0, prompt_len:])
+
+
+def test_scores_and_logits_in_dict_output(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build(MIXED_BATCH)
+    kwargs = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    got, expected = assert_same_generate(ours, stock, model_inputs, **kwargs)
+    assert len(got.scores) == len(expected.scores) == 8
+    for ours_step, stock_step in zip(got.logits, expected.logits):
+        torch.testing.assert_close(ours_step, stock_step, rtol=1e-4, atol=1e-4)
+    assert used_static_loop(ours, model_inputs, got.sequences)
+
+
+def test_hidden_state_outputs_run_the_stock_loop(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build((TEXT, {}))
+    ours._runner.length = -1
+    kwargs = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_hidden_states=True)
+    got, expected = assert_same_generate(ours, stock, model_inputs, **kwargs)
+    assert len(got.hidden_states) == 5
+    assert ours._runner.length == -1  # the static loop did not run
+
+
+def test_beam_search_falls_back_with_one_warning(tiny_pair, caplog):
+    ours, stock = tiny_pair
+    model_inputs = build((TEXT, {}))
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert_same_generate(ours, stock, model_inputs, max_new_tokens=6, do_sample=False, num_beams=3)
+    messages = [record.getMessage() for record in caplog.records if "stock generation loop" in record.getMessage()]
+    assert len(messages) == 1 and "beam_search" in messages[0]
+
+
+def test_no_automatic_compile(tiny_pair):
+    ours, _ = tiny_pair
+    assert ours._valid_auto_compile_criteria({"past_key_values": ours.static_cache()}, ours.generation_config) is False
