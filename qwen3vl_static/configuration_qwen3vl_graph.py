@@ -27,6 +27,10 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
         graph_cache_lengths (`list[int]`, *optional*):
             KV-length buckets ("milestones"): a graph attends to the first `n` cache slots only. Defaults to
             powers of two from 256 up to `static_cache_len`.
+        steps_per_sync (`int`, defaults to 8):
+            Decode steps the device runs (sampling and EOS checks included) before the host reads their tokens.
+            Larger values sync less often; up to `steps_per_sync - 1` steps past the last EOS are computed and
+            dropped.
         patch_embed_mode (`str`, defaults to `"gemm"`):
             How the vision patch embedding runs: `"gemm"` (the stride-equals-kernel Conv3d as one matrix product on
             the same weights), `"conv3d"` (stock) or `"channels_last_3d"` (Conv3d in channels-last-3d layout).
@@ -43,6 +47,7 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     static_cache_len: int = 4096
     graph_batch_sizes: list[int] | None = None
     graph_cache_lengths: list[int] | None = None
+    steps_per_sync: int = 8
     patch_embed_mode: str = "gemm"
     allow_tf32: bool = False
     cudnn_benchmark: bool = False
@@ -51,6 +56,8 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
         super().__post_init__(**kwargs)
         if self.patch_embed_mode not in PATCH_EMBED_MODES:
             raise ValueError(f"patch_embed_mode must be one of {PATCH_EMBED_MODES}, got {self.patch_embed_mode!r}")
+        if self.steps_per_sync < 1:
+            raise ValueError(f"steps_per_sync must be at least 1, got {self.steps_per_sync}")
 
     # Buckets are derived when used, not stored: `from_pretrained(..., static_cache_len=N)` sets fields after
     # `__post_init__`, and a stored default would then be stale.

@@ -1,38 +1,86 @@
-"""The decode runner: one language-model step on static buffers, replayed until generation ends.
+"""The decode runner: one language-model step on static buffers, captured as CUDA graphs and replayed.
 
 The runner owns every tensor a decode step touches: token ids `(B, 1)`, M-RoPE positions `(3, B, 1)`,
-per-row cache lengths `(B,)` and a per-row "attendable slot" mask `(B, static_cache_len)` that is False on
-left padding. Shapes are fixed at the model's `max_batch_size`, so a step for `b` rows works on the first `b`
-rows of each buffer and the graph of a larger bucket simply carries dummy rows whose data keeps them inert
-(token 0, position 0, a single attendable slot). Positions and cache lengths advance on the device inside the
-step, so replaying it needs no host input except the tokens of the first step.
+per-row cache lengths `(B,)`, a per-row "attendable slot" mask `(B, slots)` that is False on left padding,
+the sampling parameters and EOS flags. Shapes are fixed at the model's `max_batch_size`, so a step for `b`
+rows uses the first rows of each buffer; a graph of a larger batch bucket carries dummy rows whose data
+keeps them inert (token 0, position 0, one attendable slot, their own cache rows). Positions, cache lengths,
+EOS flags and the next input token all advance on the device inside the step, so consecutive replays need
+no host work at all; the host reads the chunk's tokens once per `steps_per_sync` steps.
+
+Graphs are keyed by (batch bucket, KV-length bucket, mode) and share one memory pool. Modes: "logits"
+returns float32 logits (for loops that post-process them on the host), "greedy" and "sample" pick the
+next token inside the graph.
 """
 
 import bisect
+import time
 
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
+MODES = ("logits", "greedy", "sample")
+MAX_EOS_IDS = 8
+
+
+def sample_tokens(logits, temperature, top_k, top_p):
+    """Temperature, top-k, top-p (transformers' warper semantics, per-row parameters) and a draw, graph-safe.
+
+    Works in descending-sorted space: top-k masks ranks >= k, top-p masks a token once the probability mass
+    ranked strictly above it reaches `top_p`. The draw is argmax(p / Exp(1)) (an exact categorical sample that
+    needs no host sync, unlike torch.multinomial).
+    """
+    scores = logits / temperature[:, None]
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    ranks = torch.arange(scores.shape[-1], device=scores.device)
+    sorted_scores = sorted_scores.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = sorted_scores.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_above >= top_p[:, None], 0.0)
+    noise = torch.empty_like(probs).exponential_()
+    return order.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
+
 
 class DecodeRunner:
-    def __init__(self, model, cache, batch_buckets: list[int], cache_buckets: list[int]):
+    def __init__(self, model, cache, batch_buckets, cache_buckets, steps_per_sync: int, use_graphs: bool):
         self.model = model
         self.cache = cache
         self.batch_buckets = batch_buckets
         self.cache_buckets = cache_buckets
         rows, slots = cache.rows, cache.capacity
         device = cache.full_keys[0].device
-        self.input_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(3, rows, 1, dtype=torch.long, device=device)
-        self.cache_lens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.use_graphs = use_graphs and device.type == "cuda"
+        vocab = model.lm_head.out_features
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(rows, 1)
+        self.positions = zeros(3, rows, 1)
+        self.cache_lens = zeros(rows)
         self.attendable = torch.ones(rows, slots, dtype=torch.bool, device=device)
         self.slot_ids = torch.arange(slots, device=device)
         self.row_ids = torch.arange(rows, device=device)
+        self.logits = zeros(rows, vocab, dtype=torch.float32)
+        self.temperature = torch.ones(rows, device=device)
+        self.top_k = torch.full((rows,), vocab, dtype=torch.long, device=device)
+        self.top_p = torch.full((rows,), float("inf"), device=device)
+        self.eos_ids = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=device)
+        self.pad_id = zeros(())
+        self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+        self.steps_per_sync = steps_per_sync
+        self.out_tokens = zeros(rows, steps_per_sync)
+        self.out_unfinished = torch.zeros(rows, steps_per_sync, dtype=torch.bool, device=device)
+        self.chunk_step = zeros(1)
+        self.graphs = {}
+        self.pool = None
         self.batch_size = 0
         self.length = 0  # slots filled in every real row (rows advance in lockstep)
 
-    def start(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, prompt_len: int) -> None:
+    # -- request state -------------------------------------------------------------------------------------
+
+    def start(self, position_ids, attention_mask, prompt_len: int) -> None:
         """Load the state after prefill: the prompt's M-RoPE positions `(4, b, S)` and its 2D padding mask."""
         batch = position_ids.shape[1]
         self.batch_size, self.length = batch, prompt_len
@@ -45,18 +93,72 @@ class DecodeRunner:
         if attention_mask is not None:
             self.attendable[:batch, :prompt_len] = attention_mask.bool()
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row, return the next-token logits `(b, vocab)` and advance the state."""
+    def set_sampling(self, temperature, top_k, top_p, eos_ids, pad_id, unfinished) -> None:
+        """Sampling parameters and EOS state of the request (dummy rows: finished, greedy-safe values)."""
         batch = self.batch_size
-        self.input_ids[:batch, 0] = tokens
-        rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, batch)]
-        kv_len = self.cache_buckets[bisect.bisect_left(self.cache_buckets, self.length + 1)]
-        logits = self.decode(rows, kv_len)
-        self.length += 1
-        return logits[:batch]
+        self.temperature.fill_(1.0)
+        self.temperature[:batch] = temperature
+        self.top_k.fill_(self.logits.shape[1])
+        self.top_k[:batch] = top_k
+        self.top_p.fill_(float("inf"))
+        self.top_p[:batch] = top_p
+        self.eos_ids.fill_(-1)
+        self.eos_ids[: len(eos_ids)] = torch.tensor(eos_ids, dtype=torch.long)
+        self.pad_id.fill_(pad_id)
+        self.unfinished.fill_(False)
+        self.unfinished[:batch] = unfinished.bool()
 
-    def decode(self, rows: int, kv_len: int) -> torch.Tensor:
+    # -- stepping ------------------------------------------------------------------------------------------
+
+    def logits_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row, return the next-token float32 logits `(b, vocab)`."""
+        self.input_ids[: self.batch_size, 0] = tokens
+        self._run("logits", 1)
+        return self.logits[: self.batch_size]
+
+    def token_steps(self, tokens: torch.Tensor, steps: int, mode: str):
+        """Feed one token per row and let the device pick `steps` (<= steps_per_sync) tokens; returns them and
+        the unfinished flags after each step, `(b, steps)` each, on the host (the loop's one sync)."""
+        self.input_ids[: self.batch_size, 0] = tokens
+        self.chunk_step.zero_()
+        self._run(mode, steps)
+        batch = self.batch_size
+        # copy=True: on a CPU model `.cpu()` would alias the buffers the next chunk overwrites.
+        return self.out_tokens[:batch, :steps].to("cpu", copy=True), self.out_unfinished[:batch, :steps].to("cpu", copy=True)
+
+    def _run(self, mode: str, steps: int) -> None:
+        rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, self.batch_size)]
+        kv_len = self.cache_buckets[bisect.bisect_left(self.cache_buckets, self.length + steps)]
+        if self.use_graphs:
+            graph = self.graphs.get((rows, kv_len, mode)) or self.capture(rows, kv_len, mode)
+            for _ in range(steps):
+                graph.replay()
+        else:
+            for _ in range(steps):
+                self.step(rows, kv_len, mode)
+        self.length += steps
+
+    def step(self, rows: int, kv_len: int, mode: str) -> None:
         """One decode step over the first `rows` rows, attending to the first `kv_len` cache slots."""
+        logits = self.forward(rows, kv_len).float()
+        if mode == "logits":
+            self.logits[:rows] = logits
+            return
+        if mode == "greedy":
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample_tokens(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows])
+        # Finished rows emit the pad token, as stock generate pads them; an EOS token finishes its row.
+        unfinished = self.unfinished[:rows]
+        tokens = torch.where(unfinished, tokens, self.pad_id)
+        unfinished &= ~(tokens[:, None] == self.eos_ids).any(dim=-1)
+        self.input_ids[:rows, 0] = tokens
+        self.out_tokens[:rows].index_copy_(1, self.chunk_step, tokens[:, None])
+        self.out_unfinished[:rows].index_copy_(1, self.chunk_step, unfinished[:, None])
+        self.chunk_step += 1
+
+    def forward(self, rows: int, kv_len: int) -> torch.Tensor:
+        """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row."""
         text = self.model.model.language_model
         ids, positions, cache_lens = self.input_ids[:rows], self.positions[:, :rows], self.cache_lens[:rows]
         hidden = text.embed_tokens(ids)
@@ -87,9 +189,59 @@ class DecodeRunner:
                 scale=attn.scaling,
             )
             hidden = residual + attn.o_proj(out.reshape(rows, 1, -1))
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         logits = self.model.lm_head(text.norm(hidden))[:, 0]
         cache_lens += 1
         positions += 1
         return logits
+
+    # -- CUDA graphs ---------------------------------------------------------------------------------------
+
+    def capture(self, rows: int, kv_len: int, mode: str) -> torch.cuda.CUDAGraph:
+        """Capture one step. Warm-up runs advance the state and the RNG, so both are restored afterwards."""
+        state = [self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step]
+        saved = [tensor.clone() for tensor in state]
+        rng = torch.cuda.get_rng_state()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.step(rows, kv_len, mode)
+        torch.cuda.current_stream().wait_stream(stream)
+        for tensor, value in zip(state, saved):
+            tensor.copy_(value)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.step(rows, kv_len, mode)
+        torch.cuda.set_rng_state(rng)
+        self.graphs[(rows, kv_len, mode)] = graph
+        return graph
+
+    def warmup(self, batch_sizes, cache_lengths, modes, progress=None) -> float:
+        """Capture every (batch bucket, KV bucket, mode) covering these sizes ahead of time; returns seconds."""
+        if not self.use_graphs:
+            return 0.0
+        keys = sorted(
+            {
+                (self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)],
+                 self.cache_buckets[bisect.bisect_left(self.cache_buckets, n)], mode)
+                for b in batch_sizes for n in cache_lengths for mode in modes
+            },
+            reverse=True,  # largest first: later graphs fit in the memory the pool already holds
+        )
+        # Warm-up steps run on a dummy request: every row finished, one slot, nothing read beyond it.
+        self.batch_size, self.length = 0, 0
+        self.cache_lens.zero_()
+        self.positions.zero_()
+        self.attendable.fill_(True)
+        self.unfinished.fill_(False)
+        began = time.perf_counter()
+        for key in keys:
+            if key not in self.graphs:
+                self.capture(*key)
+            if progress is not None:
+                progress.update(1)
+        torch.cuda.synchronize()
+        return time.perf_counter() - began

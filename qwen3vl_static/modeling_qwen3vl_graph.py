@@ -14,13 +14,16 @@ import threading
 import torch
 from torch import nn
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLModel
 from transformers.utils import logging
+from transformers.utils.logging import tqdm
 
 from .cache_qwen3vl_graph import ASStaticCache
 from .compat_qwen3vl_graph import CACHE_KWARG, generate_output
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
-from .graphs_qwen3vl_graph import DecodeRunner
+from .graphs_qwen3vl_graph import MAX_EOS_IDS, DecodeRunner, sample_tokens
 from .vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed
 
 logger = logging.get_logger(__name__)
@@ -78,7 +81,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 self.config, self.config.max_batch_size, self.config.static_cache_len, weight.device, weight.dtype
             )
             self._static_cache = cache
-            self._runner = DecodeRunner(self, cache, self.config.batch_buckets(), self.config.cache_buckets())
+            self._runner = DecodeRunner(
+                self, cache, self.config.batch_buckets(), self.config.cache_buckets(),
+                self.config.steps_per_sync, self.config.use_cuda_graphs,
+            )
         return cache
 
     def _static_loop_blocker(self, generation_config, model_kwargs, generation_mode) -> str | None:
@@ -116,6 +122,24 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         cache.activate(rows)
         model_kwargs[CACHE_KWARG] = cache
 
+    def warmup(self, batch_sizes=None, cache_lengths=None, modes=("greedy", "sample")) -> float:
+        """Capture the decode graphs ahead of time, so no `generate` call waits for a capture.
+
+        `batch_sizes` / `cache_lengths` (prompt + new tokens) default to every configured bucket; each is
+        rounded up to its bucket. Returns the capture time in seconds (0 where graphs are not used: CPU, or
+        `use_cuda_graphs=False`).
+        """
+        self.static_cache()
+        runner = self._runner
+        batch_sizes = batch_sizes or runner.batch_buckets
+        cache_lengths = cache_lengths or runner.cache_buckets
+        total = len(batch_sizes) * len(cache_lengths) * len(modes) if runner.use_graphs else 0
+        with self._generate_lock, torch.no_grad(), tqdm(total=total, desc="Capturing decode graphs", disable=not total) as bar:
+            seconds = runner.warmup(batch_sizes, cache_lengths, modes, progress=bar)
+        if total:
+            logger.info(f"Captured {len(runner.graphs)} decode graphs in {seconds:.2f} s")
+        return seconds
+
     def _sample(
         self,
         input_ids,
@@ -130,27 +154,67 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
-        cache = self._static_cache
         runner = self._runner
-        pad_token_id = generation_config._pad_token_tensor
-        has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-        keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
-        keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
-        scores, raw_logits = [], []
-        unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-
         position_ids = model_kwargs["position_ids"]  # (4, B, S) from stock input preparation
         attention_mask = model_kwargs.get("attention_mask")
         outputs = self._prefill(input_ids, generation_config, model_kwargs)
-        next_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
         del outputs
         runner.start(position_ids, attention_mask, input_ids.shape[1])
+        plan = _device_plan(logits_processor, stopping_criteria, generation_config)
+        if plan is None:
+            return self._host_loop(input_ids, logits, logits_processor, stopping_criteria, generation_config, streamer)
+        return self._device_loop(input_ids, logits, plan, generation_config, streamer)
+
+    def _device_loop(self, input_ids, logits, plan, generation_config, streamer):
+        """Sampling and EOS checks on the device, `steps_per_sync` steps per host read."""
+        runner = self._runner
+        batch = input_ids.shape[0]
+        if plan["mode"] == "greedy":
+            tokens = logits.argmax(dim=-1)
+        else:
+            rows = torch.ones(batch, device=logits.device)
+            tokens = sample_tokens(logits, rows * plan["temperature"], (rows * plan["top_k"]).long(), rows * plan["top_p"])
+        eos_ids = torch.tensor(plan["eos_ids"], dtype=torch.long, device=tokens.device)
+        unfinished = ~torch.isin(tokens, eos_ids)
+        pad_id = generation_config._pad_token_tensor
+        runner.set_sampling(
+            plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"],
+            int(pad_id) if pad_id is not None else 0, unfinished,
+        )
+        sequences = [input_ids.cpu(), tokens[:, None].cpu()]
+        if streamer is not None:
+            streamer.put(sequences[-1][:, 0])
+        remaining = plan["max_length"] - input_ids.shape[1] - 1
+        while remaining > 0 and bool(unfinished.any()):
+            steps = min(runner.steps_per_sync, remaining)
+            chunk, alive = runner.token_steps(tokens, steps, plan["mode"])
+            all_done = (~alive.any(dim=0)).nonzero()
+            keep = int(all_done[0]) + 1 if len(all_done) else steps  # stock stops at the step all rows finish
+            sequences.append(chunk[:, :keep])
+            if streamer is not None:
+                for column in chunk[:, :keep].T:
+                    streamer.put(column)
+            tokens, unfinished = chunk[:, keep - 1].to(input_ids.device), alive[:, keep - 1]
+            remaining -= keep
+            if keep < steps:
+                break
+        return self._finish(torch.cat(sequences, dim=1).to(input_ids.device), (), (), generation_config, streamer)
+
+    def _host_loop(self, input_ids, logits, logits_processor, stopping_criteria, generation_config, streamer):
+        """Transformers' `_sample` loop body with the runner's (graph-replayed) step as the forward."""
+        keep_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+        keep_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+        pad_token_id = generation_config._pad_token_tensor
+        has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+        scores, raw_logits = [], []
+        unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
         while True:
-            next_scores = logits_processor(input_ids, next_logits)
+            next_scores = logits_processor(input_ids, logits)
             if keep_scores:
                 scores.append(next_scores)
             if keep_logits:
-                raw_logits.append(next_logits)
+                raw_logits.append(logits)
             if generation_config.do_sample:
                 next_tokens = torch.multinomial(nn.functional.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
             else:
@@ -163,15 +227,55 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             unfinished = unfinished & ~stopping_criteria(input_ids, tuple(scores) if keep_scores else None)
             if unfinished.max() == 0:
                 break
-            next_logits = runner.step(next_tokens).float()
-        cache.set_length(runner.length)
+            logits = self._runner.logits_step(next_tokens).clone()
+        return self._finish(input_ids, scores if keep_scores else None, raw_logits if keep_logits else None,
+                            generation_config, streamer)
+
+    def _finish(self, sequences, scores, raw_logits, generation_config, streamer):
+        self._static_cache.set_length(sequences.shape[1] - 1)
         if streamer is not None:
             streamer.end()
         if generation_config.return_dict_in_generate:
             return generate_output(
-                input_ids, tuple(scores) if keep_scores else None, tuple(raw_logits) if keep_logits else None, cache
+                sequences, tuple(scores) if scores else None, tuple(raw_logits) if raw_logits else None,
+                self._static_cache,
             )
-        return input_ids
+        return sequences
+
+
+def _device_plan(logits_processor, stopping_criteria, generation_config) -> dict | None:
+    """What the device loop needs to reproduce these processors and criteria, or None when it cannot.
+
+    Covered: greedy, or sampling with temperature / top-k / top-p (transformers' order), stopping on max length
+    and up to MAX_EOS_IDS EOS ids. Anything else (other processors, stop strings, custom criteria, returned
+    scores) runs the host loop.
+    """
+    if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
+        return None
+    plan = {"mode": "sample" if generation_config.do_sample else "greedy",
+            "temperature": 1.0, "top_k": 1 << 62, "top_p": float("inf"), "eos_ids": [], "max_length": None}
+    for processor in logits_processor:
+        kind = type(processor)
+        if kind is TemperatureLogitsWarper:
+            plan["temperature"] = float(processor.temperature)
+        elif kind is TopKLogitsWarper and processor.filter_value == -float("inf"):
+            plan["top_k"] = int(processor.top_k)
+        elif kind is TopPLogitsWarper and processor.filter_value == -float("inf") and processor.min_tokens_to_keep == 1:
+            plan["top_p"] = float(processor.top_p)
+        else:
+            return None
+    if plan["mode"] == "greedy" and len(logits_processor):
+        return None
+    for criteria in stopping_criteria:
+        if type(criteria) is MaxLengthCriteria:
+            plan["max_length"] = criteria.max_length
+        elif type(criteria) is EosTokenCriteria:
+            plan["eos_ids"] = criteria.eos_token_id.tolist()
+        else:
+            return None
+    if plan["max_length"] is None or len(plan["eos_ids"]) > MAX_EOS_IDS:
+        return None
+    return plan
 
 
 def auto_map() -> dict[str, str]:

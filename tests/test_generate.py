@@ -2,9 +2,11 @@
 
 import pytest
 import torch
-from transformers import TextIteratorStreamer
+from transformers import LogitsProcessor, LogitsProcessorList, TextIteratorStreamer
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import build, chat, image
+from qwen3vl_static.graphs_qwen3vl_graph import sample_tokens
 from qwen3vl_static.presets import TINY_IDS, tiny_inputs, tiny_tokenizer
 
 TEXT = [[chat("Describe a cat in one line.")]]
@@ -69,15 +71,53 @@ def test_max_new_tokens_fills_capacity_exactly(tiny_pair):
     assert ours._runner.length == capacity
 
 
-def test_seeded_sampling_matches_stock(tiny_pair):
+class Identity(LogitsProcessor):
+    """A processor the device loop does not know: forces the host loop (stock loop body, graph-replayed step)."""
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
+def test_host_loop_seeded_sampling_matches_stock(tiny_pair):
     ours, stock = tiny_pair
     model_inputs = build(ONE_IMAGE)
     kwargs = dict(max_new_tokens=20, do_sample=True, temperature=0.9, top_k=50, top_p=0.95)
     torch.manual_seed(1234)
-    expected = stock.generate(**model_inputs, **kwargs)
+    expected = stock.generate(**model_inputs, **kwargs, logits_processor=LogitsProcessorList([Identity()]))
     torch.manual_seed(1234)
-    got = ours.generate(**model_inputs, **kwargs)
+    got = ours.generate(**model_inputs, **kwargs, logits_processor=LogitsProcessorList([Identity()]))
     assert got.tolist() == expected.tolist()
+    assert used_static_loop(ours, model_inputs, got)
+
+
+def test_device_sampling_is_seeded_and_honours_warpers(tiny_pair):
+    ours, _ = tiny_pair
+    model_inputs = build(MIXED_BATCH)
+    kwargs = dict(max_new_tokens=16, do_sample=True, temperature=1.3, top_p=0.9)
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(ours.generate(**model_inputs, **kwargs).tolist())
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    greedy = ours.generate(**model_inputs, max_new_tokens=16, do_sample=False)
+    # top_k=1 and a tiny top_p leave one candidate: sampling must reproduce greedy decoding.
+    for warper in ({"top_k": 1}, {"top_p": 1e-6}):
+        assert ours.generate(**model_inputs, max_new_tokens=16, do_sample=True, **warper).tolist() == greedy.tolist()
+
+
+def test_sample_tokens_follows_transformers_warpers():
+    """The device sampler's distribution equals softmax of transformers' warped scores."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 12) * 2
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(6), TopPLogitsWarper(0.8)])
+    expected = processors(None, logits.clone()).softmax(-1)[0]
+    draws = 40000
+    tokens = sample_tokens(
+        logits.expand(draws, -1), torch.full((draws,), 0.7), torch.full((draws,), 6), torch.full((draws,), 0.8)
+    )
+    frequencies = torch.bincount(tokens, minlength=12).float() / draws
+    assert torch.all(frequencies[expected == 0] == 0)
+    torch.testing.assert_close(frequencies, expected, atol=0.012, rtol=0)
 
 
 def test_eos_list_pads_finished_rows_like_stock(tiny_pair):

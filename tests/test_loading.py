@@ -1,0 +1,110 @@
+"""Checkpoints move between the stock class and ours unchanged, and `import qwen3vl_static` registers the Auto
+classes (CPU, tiny model)."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from transformers import AutoConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from qwen3vl_static import Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, Qwen3VLGraphModel
+from qwen3vl_static.convert import hub_module_files
+from qwen3vl_static.presets import tiny_config_dict, tiny_image_processor, tiny_tokenizer
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_qwen3vl_graph.Qwen3VLGraphConfig",
+    "AutoModel": "modeling_qwen3vl_graph.Qwen3VLGraphModel",
+    "AutoModelForImageTextToText": "modeling_qwen3vl_graph.Qwen3VLGraphForConditionalGeneration",
+    "AutoModelForVision2Seq": "modeling_qwen3vl_graph.Qwen3VLGraphForConditionalGeneration",
+}
+
+
+def save_stock_checkpoint(folder):
+    """A stock Qwen3-VL checkpoint as `save_pretrained` writes it: tiny model, tokenizer, image processor."""
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    tiny_image_processor().save_pretrained(folder)
+    return folder
+
+
+def assert_clean(info):
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+
+def tensor_names(folder):
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        return set(weights.keys())
+
+
+@pytest.fixture(scope="module")
+def stock_folder(tmp_path_factory):
+    return save_stock_checkpoint(tmp_path_factory.mktemp("stock"))
+
+
+@pytest.fixture(scope="module")
+def ours(stock_folder):
+    model, info = Qwen3VLGraphForConditionalGeneration.from_pretrained(stock_folder, output_loading_info=True)
+    assert_clean(info)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ours_folder(ours, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ours")
+    ours.save_pretrained(folder)
+    return folder
+
+
+def test_stock_checkpoint_loads_into_our_class(ours, stock_folder):
+    # Tied weights: the stock checkpoint has no lm_head tensor, so the head must share the embedding's storage.
+    assert ours.lm_head.weight.data_ptr() == ours.model.language_model.embed_tokens.weight.data_ptr()
+    stock = Qwen3VLForConditionalGeneration.from_pretrained(stock_folder).state_dict()
+    assert ours.state_dict().keys() == stock.keys()
+    assert all(torch.equal(tensor, stock[name]) for name, tensor in ours.state_dict().items())
+
+
+def test_our_checkpoint_loads_into_stock_class(ours, ours_folder, stock_folder):
+    assert tensor_names(ours_folder) == tensor_names(stock_folder)  # same layout as a stock save
+    stock, info = Qwen3VLForConditionalGeneration.from_pretrained(ours_folder, output_loading_info=True)
+    assert_clean(info)
+    expected = ours.state_dict()
+    assert stock.state_dict().keys() == expected.keys()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in stock.state_dict().items())
+
+
+def test_saved_folder_is_a_custom_code_repo(ours_folder):
+    config = json.loads((ours_folder / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl_graph"
+    assert config["auto_map"] == AUTO_MAP
+    # The same module files as `convert`, unchanged.
+    modules = {path.name: path for path in hub_module_files()}
+    assert {path.name for path in ours_folder.glob("*.py")} == modules.keys()
+    assert all((ours_folder / name).read_bytes() == path.read_bytes() for name, path in modules.items())
+
+
+def test_from_pretrained_overrides_settings(ours_folder):
+    model = Qwen3VLGraphForConditionalGeneration.from_pretrained(ours_folder, max_batch_size=2, static_cache_len=64)
+    assert (model.config.max_batch_size, model.config.static_cache_len) == (2, 64)
+    cache = model.static_cache()  # the overrides reach the one allocation
+    assert (cache.rows, cache.capacity) == (2, 64)
+
+
+@pytest.mark.parametrize(
+    ("auto_class", "expected"),
+    [
+        ("AutoModel", Qwen3VLGraphModel),
+        ("AutoModelForImageTextToText", Qwen3VLGraphForConditionalGeneration),
+        ("AutoModelForVision2Seq", Qwen3VLGraphForConditionalGeneration),
+    ],
+)
+def test_import_registers_auto_classes(ours_folder, auto_class, expected):
+    if not hasattr(transformers, auto_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {auto_class}")
+    # No trust_remote_code: the registered local classes, not the folder's copies of them.
+    assert type(AutoConfig.from_pretrained(ours_folder)) is Qwen3VLGraphConfig
+    model, info = getattr(transformers, auto_class).from_pretrained(ours_folder, output_loading_info=True)
+    assert type(model) is expected
+    assert_clean(info)
