@@ -2,6 +2,10 @@
 
 import argparse
 import sys
+import time
+from pathlib import Path
+
+import torch
 
 from .convert import convert
 
@@ -22,6 +26,30 @@ def main(argv=None) -> int:
     converter.add_argument("--private", action="store_true", help="create the Hub repo as private")
     converter.set_defaults(run=_convert)
 
+    demo = commands.add_parser(
+        "demo",
+        help="generate end to end with a random-weight model (offline)",
+        description="CPU: a tiny random Qwen3-VL generates from an image prompt through the static loop and is "
+        "checked against stock transformers. CUDA: the real Qwen3-VL-2B shapes with random bf16 weights, "
+        "decode graphs captured ahead of time.",
+    )
+    demo.add_argument("--new-tokens", type=int, default=32)
+    demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark against stock transformers (CUDA)",
+        description="Decode ms/step at several batch sizes, TTFT and end-to-end tokens/s with a 448x448 image, "
+        "for ours and stock transformers in one process; writes JSON (and a PNG with matplotlib).",
+    )
+    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
+    bench.add_argument("--context", type=int, default=512, help="prompt tokens of the decode measurements")
+    bench.add_argument("--with-compile", action="store_true",
+                       help="also measure stock cache_implementation='static' (auto-compile, ~45 s per shape)")
+    bench.add_argument("--out", type=Path, default=Path("bench/results"))
+    bench.set_defaults(run=_bench)
+
     args = parser.parse_args(argv)
     try:
         return args.run(args)
@@ -33,4 +61,54 @@ def main(argv=None) -> int:
 def _convert(args) -> int:
     dst = convert(args.src, args.dst, push_to_hub=args.push_to_hub, private=args.private)
     print(f"converted {args.src} to {dst}" + (f" and pushed it to {args.push_to_hub}" if args.push_to_hub else ""))
+    return 0
+
+
+def _demo(args) -> int:
+    from PIL import Image
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from .bench import build_models, image_prompt
+    from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
+    from .presets import tiny_config, tiny_config_dict, tiny_inputs, tiny_tokenizer
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        model, stock = build_models(device, torch.bfloat16, cache_len=1024, max_batch=8)
+        inputs = image_prompt(model.config, device, torch.Generator().manual_seed(0))
+        print("model: real Qwen3-VL-2B shapes, random bf16 weights;", f"prompt: {inputs['input_ids'].shape[1]} tokens")
+        print(f"captured decode graphs in {model.warmup(batch_sizes=[1], modes=('greedy',)):.2f} s")
+        decode = None
+    else:
+        torch.manual_seed(0)
+        model = Qwen3VLGraphForConditionalGeneration(tiny_config()).eval()
+        stock = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval()
+        stock.load_state_dict(model.state_dict())
+        chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]
+        inputs = tiny_inputs([chat], images=[Image.new("RGB", (96, 64), "orange")])
+        decode = tiny_tokenizer().decode
+        print(f"model: tiny random Qwen3-VL on the CPU; prompt: {inputs['input_ids'].shape[1]} tokens")
+    kwargs = dict(max_new_tokens=args.new_tokens, do_sample=False)
+    model.generate(**inputs, **kwargs)  # first call allocates the cache (and on CUDA warms the kernels)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    ours = model.generate(**inputs, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    expected = stock.generate(**inputs, **kwargs)
+    new = ours[0, inputs["input_ids"].shape[1]:]
+    print(f"generated {len(new)} tokens in {1000 * seconds:.1f} ms ({len(new) / seconds:.1f} tokens/s, prefill included)")
+    print("tokens:", new.tolist() if decode is None else repr(decode(new)))
+    same = torch.equal(ours, expected)
+    print("same tokens as stock transformers generate:", same)
+    return 0 if same or device.type == "cuda" else 1
+
+
+def _bench(args) -> int:
+    from .bench import report, run
+
+    path = report(run(args), args.out)
+    print(f"wrote {path}")
     return 0

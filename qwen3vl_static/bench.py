@@ -1,0 +1,211 @@
+"""`python -m qwen3vl_static bench`: ours against stock transformers, in one process, on the same inputs.
+
+Random bf16 weights with the exact Qwen3-VL-2B shapes (speed does not depend on weight values). Every
+number comes from tokens really generated: decode ms/step is the slope between two generation lengths
+(prefill cancels out), and every run's token count is checked. EOS is disabled so all systems generate
+the same number of tokens.
+"""
+
+import json
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
+from .presets import REAL_2B_DIR, real_2b_config
+
+SHORT, LONG = 16, 80  # decode lengths whose time difference gives ms/step
+
+
+def build_models(device, dtype, cache_len, max_batch):
+    """Ours and the stock class over one set of weights (the stock model borrows our tensors)."""
+    config = real_2b_config(static_cache_len=cache_len, max_batch_size=max_batch)
+    torch.manual_seed(0)
+    with torch.device(device):
+        ours = Qwen3VLGraphForConditionalGeneration._from_config(config, dtype=dtype).eval()
+        stock_config = Qwen3VLConfig(**{k: v for k, v in json.loads((REAL_2B_DIR / "config.json").read_text()).items() if k != "model_type"})
+        with torch.device("meta"):
+            stock = Qwen3VLForConditionalGeneration._from_config(stock_config, dtype=dtype).eval()
+    stock.load_state_dict(ours.state_dict(), assign=True)
+    stock.tie_weights()
+    for model in (ours, stock):  # random weights: no EOS, so every system generates exactly what was asked
+        model.generation_config.eos_token_id = None
+        model.generation_config.do_sample = False
+    return ours, stock
+
+
+def text_prompt(config, batch, length, device, generator):
+    ids = torch.randint(0, 150000, (batch, length), generator=generator).to(device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def image_prompt(config, device, generator, side=448, question=30):
+    """One side x side image + a `question`-token text, laid out as Qwen3VLProcessor lays it out."""
+    vision = config.vision_config
+    grid = side // vision.patch_size
+    tokens = grid * grid // vision.spatial_merge_size**2
+    text = torch.randint(0, 150000, (question,), generator=generator)
+    ids = torch.cat([
+        torch.tensor([config.vision_start_token_id]), torch.full((tokens,), config.image_token_id),
+        torch.tensor([config.vision_end_token_id]), text,
+    ])[None]
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": torch.ones_like(ids).to(device),
+        "mm_token_type_ids": (ids == config.image_token_id).int().to(device),
+        "pixel_values": torch.randn(grid * grid, patch_dim, generator=generator).to(device),
+        "image_grid_thw": torch.tensor([[1, grid, grid]], device=device),
+    }
+
+
+def timed_generate(model, prompt, new_tokens, **kwargs):
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    out = model.generate(**prompt, max_new_tokens=new_tokens, **kwargs)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    generated = out.shape[1] - prompt["input_ids"].shape[1]
+    assert generated == new_tokens, f"asked for {new_tokens} tokens, got {generated}"
+    return out, seconds
+
+
+def measure(system, model, prompts, image, **kwargs):
+    """Decode ms/step per batch size, TTFT and end-to-end throughput for one system."""
+    rows = []
+    for batch, prompt in prompts.items():
+        timed_generate(model, prompt, SHORT, **kwargs)  # warm caches / graphs / compile
+        _, short = timed_generate(model, prompt, SHORT, **kwargs)
+        long_out, long = timed_generate(model, prompt, LONG, **kwargs)
+        rows.append({"system": system, "batch_size": batch, "context_tokens": prompt["input_ids"].shape[1],
+                     "new_tokens": LONG, "decode_ms_per_step": 1000 * (long - short) / (LONG - SHORT),
+                     "tokens": long_out})
+    timed_generate(model, image, 1, **kwargs)
+    ttft = min(timed_generate(model, image, 1, **kwargs)[1] for _ in range(5))
+    image_out, e2e = timed_generate(model, image, 128, **kwargs)
+    rows.append({"system": system, "batch_size": 1, "context_tokens": image["input_ids"].shape[1],
+                 "new_tokens": 128, "ttft_ms": 1000 * ttft, "e2e_tokens_per_s": 128 / e2e, "tokens": image_out})
+    return rows
+
+
+def kernel_breakdown(model, steps=20):
+    """GPU time of the replayed greedy decode step by kernel class (batch 1)."""
+    runner = model._runner
+    classes = {"gemv/gemm": ("gemv", "gemm", "sm90_xmma", "cutlass", "nvjet"), "attention": ("attention", "fmha", "flash", "sdpa", "softmax"),
+               "norm/rope/elementwise": ("elementwise", "vectorized", "reduce", "mean", "rsqrt", "pow", "mul", "add", "cat", "copy"),
+               "indexing": ("index", "scatter", "gather"), "argmax/sampling": ("argmax", "max", "sort", "exponential")}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        runner.token_steps(runner.input_ids[:1, 0].clone(), min(steps, runner.steps_per_sync), "greedy")
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.key.lower()
+        kind = next((label for label, keys in classes.items() if any(key in name for key in keys)), "other")
+        totals[kind] = totals.get(kind, 0.0) + event.device_time_total / 1000
+    return totals
+
+
+def run(args) -> dict:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench needs a CUDA GPU; on a CPU run `python -m qwen3vl_static demo`")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    ours, stock = build_models(device, dtype, cache_len=1024, max_batch=8)
+    generator = torch.Generator().manual_seed(0)
+    prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in args.batch_sizes}
+    image = image_prompt(ours.config, device, generator)
+
+    torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    ours.warmup(batch_sizes=args.batch_sizes, cache_lengths=[args.context + LONG, image["input_ids"].shape[1] + 128],
+                modes=("greedy",))
+    warmup_s = time.perf_counter() - began
+    results = measure("ours", ours, prompts, image)
+    for row in results:
+        row.update(warmup_s=warmup_s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
+    cache_gb = sum(t.numel() * t.element_size() for t in ours._static_cache.full_keys + ours._static_cache.full_values) / 2**30
+    breakdown = kernel_breakdown(ours)
+
+    systems = [("hf_eager", {})]
+    if args.with_compile:
+        systems.append(("hf_static_compile", {"cache_implementation": "static"}))
+    for system, kwargs in systems:
+        torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
+        timed_generate(stock, prompts[args.batch_sizes[0]], 2, **kwargs)  # first call: compile for static
+        warmup = time.perf_counter() - began
+        rows = measure(system, stock, prompts, image, **kwargs)
+        for row in rows:
+            row.update(warmup_s=warmup, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
+        results += rows
+
+    # Ours against the stock eager reference on identical inputs, and against our own eager static path.
+    reference = {(r["batch_size"], r["new_tokens"]): r["tokens"] for r in results if r["system"] == "hf_eager"}
+    for row in results:
+        ref = reference[(row["batch_size"], row["new_tokens"])]
+        row["tokens_match_reference"] = bool(torch.equal(row["tokens"], ref))
+        row["first_divergence"] = None if row["tokens_match_reference"] else int(
+            (row["tokens"] != ref).any(0).nonzero()[0])
+    ours._runner.use_graphs = False
+    eager_static = measure_tokens(ours, prompts, image)
+    ours._runner.use_graphs = True
+    graph_equals_eager_static = all(
+        torch.equal(r["tokens"], eager_static[(r["batch_size"], r["new_tokens"])]) for r in results if r["system"] == "ours")
+    for row in results:
+        del row["tokens"]
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": date.today().isoformat(),
+        "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]),
+        "graphs_captured": len(ours._runner.graphs),
+        "kv_cache_gb": cache_gb,
+        "graph_equals_eager_static_path": graph_equals_eager_static,
+        "decode_kernel_ms_by_class_20_steps_batch1": breakdown,
+        "results": results,
+    }
+
+
+def measure_tokens(model, prompts, image):
+    out = {(batch, LONG): timed_generate(model, prompt, LONG)[0] for batch, prompt in prompts.items()}
+    out[(1, 128)] = timed_generate(model, image, 128)[0]
+    return out
+
+
+def report(summary, out_dir: Path) -> Path:
+    columns = ["system", "batch_size", "context_tokens", "new_tokens", "decode_ms_per_step", "ttft_ms",
+               "e2e_tokens_per_s", "warmup_s", "peak_mem_gb", "tokens_match_reference"]
+    print(" | ".join(columns))
+    for row in summary["results"]:
+        print(" | ".join(f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns))
+    print("decode kernel time by class (ms, 20 steps, batch 1):", summary["decode_kernel_ms_by_class_20_steps_batch1"])
+    print("graph == eager static path:", summary["graph_equals_eager_static_path"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = summary["device"].replace(" ", "-").lower()
+    path = out_dir / f"{name}-{summary['date'].replace('-', '')}.json"
+    path.write_text(json.dumps(summary, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return path
+    decode = [r for r in summary["results"] if "decode_ms_per_step" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in dict.fromkeys(r["system"] for r in decode):
+        rows = [r for r in decode if r["system"] == system]
+        ax.plot([r["batch_size"] for r in rows], [r["decode_ms_per_step"] for r in rows], marker="o", label=system)
+    ax.set(xlabel="batch size", ylabel="decode ms/step", yscale="log", title=summary["device"])
+    ax.legend()
+    fig.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
+    return path
