@@ -30,8 +30,9 @@ def build_models(device, dtype, cache_len, max_batch):
     with torch.device(device):
         ours = Qwen3VLGraphForConditionalGeneration._from_config(config, dtype=dtype).eval()
         stock_config = Qwen3VLConfig(**{k: v for k, v in json.loads((REAL_2B_DIR / "config.json").read_text()).items() if k != "model_type"})
-        with torch.device("meta"):
-            stock = Qwen3VLForConditionalGeneration._from_config(stock_config, dtype=dtype).eval()
+        # Built on the device (not meta) so its non-persistent buffers (rotary tables) exist; then it borrows
+        # our parameters and its own random ones are freed.
+        stock = Qwen3VLForConditionalGeneration._from_config(stock_config, dtype=dtype).eval()
     stock.load_state_dict(ours.state_dict(), assign=True)
     stock.tie_weights()
     for model in (ours, stock):  # random weights: no EOS, so every system generates exactly what was asked

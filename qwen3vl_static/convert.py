@@ -9,7 +9,6 @@ import inspect
 import json
 import re
 import shutil
-from importlib import metadata
 from pathlib import Path
 
 import transformers
@@ -131,7 +130,7 @@ def _check_source(src: str, config_file: Path) -> None:
     model_type = _model_type(config_file)
     if model_type not in SOURCE_MODEL_TYPES:
         raise ValueError(
-            f"SRC {src} is a {model_type!r} checkpoint; only Qwen3-VL checkpoints (model_type "
+            f"SRC {src} has model_type {model_type!r} in its config.json; only Qwen3-VL checkpoints (model_type "
             f"{' or '.join(map(repr, SOURCE_MODEL_TYPES))}) can be converted"
         )
 
@@ -172,23 +171,15 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
-def _transformers_requirement() -> str:
-    try:
-        requires = metadata.requires("qwen3vl-static") or []
-    except metadata.PackageNotFoundError:
-        requires = []
-    spec = next((req for req in requires if re.match(r"transformers\b", req)), None)
-    return f"`{spec}`" if spec else f"transformers {transformers.__version__}"
-
-
 def _model_card(config: Qwen3VLGraphConfig, hub_id: str | None, src_dir: Path, repo: str) -> str:
-    source_card = metadata_load(src_dir / "README.md") if (src_dir / "README.md").is_file() else None
+    source_card = (metadata_load(src_dir / "README.md") if (src_dir / "README.md").is_file() else None) or {}
     data = ModelCardData(
         library_name="transformers",
         pipeline_tag="image-text-to-text",
         base_model=hub_id,
-        license=(source_card or {}).get("license"),
         tags=["qwen3_vl", "custom_code", "cuda-graphs", "static-cache"],
+        # The weights keep their license.
+        **{key: source_card[key] for key in ("license", "license_name", "license_link") if key in source_card},
     )
     source = f"[{hub_id}](https://huggingface.co/{hub_id})" if hub_id else "a Qwen3-VL checkpoint"
     fields = "\n".join(
@@ -200,7 +191,7 @@ def _model_card(config: Qwen3VLGraphConfig, hub_id: str | None, src_dir: Path, r
         repo=repo,
         fields=fields,
         version=qwen3vl_static.__version__,
-        transformers=_transformers_requirement(),
+        transformers=transformers.__version__,
     )
 
 
@@ -210,10 +201,10 @@ CARD = """---
 
 # Qwen3-VL with a static-cache, CUDA-graph decode loop
 
-This is {source} converted with qwen3vl-static {version}: the same
-weights, tokenizer, processor and generation config, unchanged, with custom code whose `generate()` decodes on one
-persistent static KV cache and replays each decode step as a captured CUDA graph. Only `config.json` (model type
-`qwen3_vl_graph`) and the `*.py` files are new. The custom code needs {transformers}.
+This is {source} converted with qwen3vl-static {version} (transformers {transformers}): the same weights, tokenizer,
+processor and generation config, unchanged, with custom code whose `generate()` decodes on one persistent static KV
+cache and replays each decode step as a captured CUDA graph. Only `config.json` (model type `qwen3_vl_graph`) and
+the `*.py` files are new.
 
 ## Usage
 
@@ -250,7 +241,7 @@ Capture the CUDA graphs ahead of time, e.g. before a server takes requests, so t
 capture:
 
 ```python
-model.warmup()
+model.warmup()  # every batch-size x cache-length bucket of the settings below
 ```
 
 The settings below can be changed when loading, e.g.
@@ -283,8 +274,8 @@ Measured speed-ups depend on the GPU, batch size and lengths; the numbers live i
   than `sdpa` / `eager` run transformers' stock loop (with a warning): correct, without the speed-up.
 - One `generate()` call takes at most `max_batch_size` sequences, and prompt + `max_new_tokens` - 1 must fit in
   `static_cache_len`; otherwise it raises a `ValueError` that names the setting to raise.
-- The KV cache is allocated at full size (`max_batch_size` x `static_cache_len`) on the first `generate()` and kept;
-  a cache returned by `generate()` is that persistent cache and is overwritten by the next call.
+- The KV cache is allocated at full size (`max_batch_size` x `static_cache_len`) on first use and kept; a cache
+  returned by `generate()` is that persistent cache and is overwritten by the next call.
 - Calls to `generate()` on one model run one at a time.
 - CUDA graphs need a CUDA device; on the CPU, or with `use_cuda_graphs` off, the same loop runs eagerly.
 """
