@@ -95,23 +95,30 @@ def measure(system, model, prompts, image, **kwargs):
     return rows
 
 
-def kernel_breakdown(model, steps=20):
-    """GPU time of the replayed greedy decode step by kernel class (batch 1)."""
+def kernel_breakdown(model):
+    """GPU time per replayed greedy decode step (batch 1), by kernel class and for the top kernels."""
     runner = model._runner
-    classes = {"gemv/gemm": ("gemv", "gemm", "sm90_xmma", "cutlass", "nvjet"), "attention": ("attention", "fmha", "flash", "sdpa", "softmax"),
-               "norm/rope/elementwise": ("elementwise", "vectorized", "reduce", "mean", "rsqrt", "pow", "mul", "add", "cat", "copy"),
-               "indexing": ("index", "scatter", "gather"), "argmax/sampling": ("argmax", "max", "sort", "exponential")}
+    steps = runner.steps_per_sync
+    classes = {
+        "gemv/gemm": ("gemv", "gemm", "xmma", "cutlass", "nvjet", "splitk"),
+        "attention": ("attention", "fmha", "flash", "sdpa", "softmax"),
+        "indexing": ("index", "scatter", "gather"),
+        "argmax/sampling": ("argmax", "argmin", "sort", "exponential"),
+        "norm/rope/elementwise": ("elementwise", "vectorized", "reduce", "norm", "cat", "copy", "roll"),
+    }
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        runner.token_steps(runner.input_ids[:1, 0].clone(), min(steps, runner.steps_per_sync), "greedy")
+        runner.token_steps(runner.input_ids[:1, 0].clone(), steps, "greedy")
         torch.cuda.synchronize()
-    totals = {}
+    by_class, by_kernel = {}, {}
     for event in prof.key_averages():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name = event.key.lower()
-        kind = next((label for label, keys in classes.items() if any(key in name for key in keys)), "other")
-        totals[kind] = totals.get(kind, 0.0) + event.device_time_total / 1000
-    return totals
+        ms = event.device_time_total / 1000 / steps
+        kind = next((label for label, keys in classes.items() if any(key in event.key.lower() for key in keys)), "other")
+        by_class[kind] = by_class.get(kind, 0.0) + ms
+        by_kernel[f"{event.key[:90]} (x{event.count // steps})"] = ms
+    top = dict(sorted(by_kernel.items(), key=lambda item: -item[1])[:15])
+    return {"ms_per_step_by_class": by_class, "top_kernels_ms_per_step": top, "steps_profiled": steps}
 
 
 def run(args) -> dict:
@@ -123,15 +130,21 @@ def run(args) -> dict:
     prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in args.batch_sizes}
     image = image_prompt(ours.config, device, generator)
 
+    before_cache = torch.cuda.memory_allocated()
+    ours.static_cache()
+    after_cache = torch.cuda.memory_allocated()
+    reserved = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     began = time.perf_counter()
     ours.warmup(batch_sizes=args.batch_sizes, cache_lengths=[args.context + LONG, image["input_ids"].shape[1] + 128],
                 modes=("greedy",))
     warmup_s = time.perf_counter() - began
+    graph_pool_gb = (torch.cuda.memory_reserved() - reserved) / 2**30  # graphs allocate from a private pool
     results = measure("ours", ours, prompts, image)
     for row in results:
         row.update(warmup_s=warmup_s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
     cache_gb = sum(t.numel() * t.element_size() for t in ours._static_cache.full_keys + ours._static_cache.full_values) / 2**30
+    buffers_gb = (after_cache - before_cache) / 2**30 - cache_gb
     breakdown = kernel_breakdown(ours)
 
     systems = [("hf_eager", {})]
@@ -170,8 +183,10 @@ def run(args) -> dict:
         "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]),
         "graphs_captured": len(ours._runner.graphs),
         "kv_cache_gb": cache_gb,
+        "static_buffers_gb": buffers_gb,
+        "graph_pool_reserved_gb_after_warmup": graph_pool_gb,
         "graph_equals_eager_static_path": graph_equals_eager_static,
-        "decode_kernel_ms_by_class_20_steps_batch1": breakdown,
+        "decode_profile_batch1": breakdown,
         "results": results,
     }
 
@@ -188,7 +203,9 @@ def report(summary, out_dir: Path) -> Path:
     print(" | ".join(columns))
     for row in summary["results"]:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns))
-    print("decode kernel time by class (ms, 20 steps, batch 1):", summary["decode_kernel_ms_by_class_20_steps_batch1"])
+    print("decode profile (batch 1):", json.dumps(summary["decode_profile_batch1"], indent=1))
+    print(f"kv cache {summary['kv_cache_gb']:.3f} GB, static buffers {summary['static_buffers_gb']:.3f} GB, "
+          f"graph pool after warmup {summary['graph_pool_reserved_gb_after_warmup']:.3f} GB")
     print("graph == eager static path:", summary["graph_equals_eager_static_path"])
     out_dir.mkdir(parents=True, exist_ok=True)
     name = summary["device"].replace(" ", "-").lower()

@@ -18,7 +18,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
+
+from .kernels_qwen3vl_graph import qk_norm_rope, rms_norm, rotary_tables
 
 MODES = ("logits", "greedy", "sample")
 MAX_EOS_IDS = 8
@@ -161,36 +162,37 @@ class DecodeRunner:
         """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row."""
         text = self.model.model.language_model
         ids, positions, cache_lens = self.input_ids[:rows], self.positions[:, :rows], self.cache_lens[:rows]
-        hidden = text.embed_tokens(ids)
-        cos, sin = text.rotary_emb(hidden, positions)
+        hidden = text.embed_tokens(ids)[:, 0]
+        cos, sin = rotary_tables(*text.rotary_emb(hidden, positions))  # (rows, 1, head_dim), shared by all layers
         # A slot is read only if it is written (slot <= this row's length, the current token included) and not
-        # left padding: never an unwritten or stale slot.
-        mask = self.attendable[:rows, :kv_len] & (self.slot_ids[:kv_len] <= cache_lens[:, None])
-        mask = mask[:, None, None, :]
+        # left padding: never an unwritten or stale slot. Additive form, built once per step.
+        readable = self.attendable[:rows, :kv_len] & (self.slot_ids[:kv_len] <= cache_lens[:, None])
+        mask = torch.zeros(readable.shape, dtype=hidden.dtype, device=hidden.device)
+        mask = mask.masked_fill(~readable, float("-inf"))[:, None, None, :]
         row_ids = self.row_ids[:rows]
         for layer, keys, values in zip(text.layers, self.cache.full_keys, self.cache.full_values):
             attn = layer.self_attn
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            shape = (rows, 1, -1, attn.head_dim)
-            q = attn.q_norm(attn.q_proj(hidden).view(shape)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
-            v = attn.v_proj(hidden).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys[row_ids, :, cache_lens] = k[:, :, 0]
-            values[row_ids, :, cache_lens] = v[:, :, 0]
+            kv_heads, head_dim = keys.shape[1], keys.shape[-1]
+            x = rms_norm(hidden, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+            q = attn.q_proj(x).view(rows, -1, head_dim)
+            qk = qk_norm_rope(
+                q, attn.k_proj(x).view(rows, kv_heads, head_dim), attn.q_norm.weight, attn.k_norm.weight,
+                attn.q_norm.variance_epsilon, cos, sin,
+            )
+            keys[row_ids, :, cache_lens] = qk[:, q.shape[1]:]
+            values[row_ids, :, cache_lens] = attn.v_proj(x).view(rows, kv_heads, head_dim)
             # Grouped-query attention without repeating K/V: the query heads of one KV head form its query rows.
-            kv_heads = keys.shape[1]
             out = F.scaled_dot_product_attention(
-                q.reshape(rows, kv_heads, -1, attn.head_dim),
+                qk[:, : q.shape[1]].reshape(rows, kv_heads, -1, head_dim),
                 keys[:rows, :, :kv_len],
                 values[:rows, :, :kv_len],
                 attn_mask=mask,
                 scale=attn.scaling,
             )
-            hidden = residual + attn.o_proj(out.reshape(rows, 1, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        logits = self.model.lm_head(text.norm(hidden))[:, 0]
+            hidden = hidden + attn.o_proj(out.reshape(rows, -1))
+            norm = layer.post_attention_layernorm
+            hidden = hidden + layer.mlp(rms_norm(hidden, norm.weight, norm.variance_epsilon))
+        logits = self.model.lm_head(rms_norm(hidden, text.norm.weight, text.norm.variance_epsilon))
         cache_lens += 1
         positions += 1
         return logits
