@@ -15,11 +15,12 @@ next token inside the graph.
 
 import bisect
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from .kernels_qwen3vl_graph import qk_norm_rope, rms_norm, rotary_tables
+from .kernels_qwen3vl_graph import fuse_weights, is_fused, qk_norm_rope, rms_norm, rotary_tables
 
 MODES = ("logits", "greedy", "sample")
 MAX_EOS_IDS = 8
@@ -74,10 +75,38 @@ class DecodeRunner:
         self.out_tokens = zeros(rows, steps_per_sync)
         self.out_unfinished = torch.zeros(rows, steps_per_sync, dtype=torch.bool, device=device)
         self.chunk_step = zeros(1)
+        # One GEMV for q/k/v and one for gate/up per layer: the module weights become views of fused matrices.
+        text = model.model.language_model
+        self.fused_linears = [
+            linears
+            for layer in text.layers
+            for linears in (
+                (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                (layer.mlp.gate_proj, layer.mlp.up_proj),
+            )
+        ]
+        self.fused_weights = [fuse_weights(linears) for linears in self.fused_linears]
+        self.qkv_weights, self.gate_up_weights = self.fused_weights[0::2], self.fused_weights[1::2]
         self.graphs = {}
         self.pool = None
         self.batch_size = 0
         self.length = 0  # slots filled in every real row (rows advance in lockstep)
+
+    def weights_current(self) -> bool:
+        """False once the model's weights were replaced (e.g. moved): the runner must be rebuilt."""
+        return all(is_fused(fused, linears) for fused, linears in zip(self.fused_weights, self.fused_linears))
+
+    @contextmanager
+    def separate_weights(self):
+        """Give each fused parameter storage of its own while saving (views of one matrix look shared)."""
+        views = [(linear.weight, linear.weight.data) for linears in self.fused_linears for linear in linears]
+        for parameter, view in views:
+            parameter.data = view.clone()
+        try:
+            yield
+        finally:
+            for parameter, view in views:
+                parameter.data = view
 
     # -- request state -------------------------------------------------------------------------------------
 
@@ -170,20 +199,22 @@ class DecodeRunner:
         mask = torch.zeros(readable.shape, dtype=hidden.dtype, device=hidden.device)
         mask = mask.masked_fill(~readable, float("-inf"))[:, None, None, :]
         row_ids = self.row_ids[:rows]
-        for layer, keys, values in zip(text.layers, self.cache.full_keys, self.cache.full_values):
-            attn = layer.self_attn
+        layers = zip(text.layers, self.cache.full_keys, self.cache.full_values, self.qkv_weights, self.gate_up_weights)
+        for layer, keys, values, qkv_weight, gate_up_weight in layers:
+            attn, mlp = layer.self_attn, layer.mlp
             kv_heads, head_dim = keys.shape[1], keys.shape[-1]
+            heads = attn.config.num_attention_heads
             x = rms_norm(hidden, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            q = attn.q_proj(x).view(rows, -1, head_dim)
+            qkv = F.linear(x, qkv_weight).view(rows, -1, head_dim)  # query, key, value heads in that order
             qk = qk_norm_rope(
-                q, attn.k_proj(x).view(rows, kv_heads, head_dim), attn.q_norm.weight, attn.k_norm.weight,
+                qkv[:, : heads + kv_heads], heads, attn.q_norm.weight, attn.k_norm.weight,
                 attn.q_norm.variance_epsilon, cos, sin,
             )
-            keys[row_ids, :, cache_lens] = qk[:, q.shape[1]:]
-            values[row_ids, :, cache_lens] = attn.v_proj(x).view(rows, kv_heads, head_dim)
+            keys[row_ids, :, cache_lens] = qk[:, heads:]
+            values[row_ids, :, cache_lens] = qkv[:, heads + kv_heads :]
             # Grouped-query attention without repeating K/V: the query heads of one KV head form its query rows.
             out = F.scaled_dot_product_attention(
-                qk[:, : q.shape[1]].reshape(rows, kv_heads, -1, head_dim),
+                qk[:, :heads].reshape(rows, kv_heads, -1, head_dim),
                 keys[:rows, :, :kv_len],
                 values[:rows, :, :kv_len],
                 attn_mask=mask,
@@ -191,7 +222,8 @@ class DecodeRunner:
             )
             hidden = hidden + attn.o_proj(out.reshape(rows, -1))
             norm = layer.post_attention_layernorm
-            hidden = hidden + layer.mlp(rms_norm(hidden, norm.weight, norm.variance_epsilon))
+            gate, up = F.linear(rms_norm(hidden, norm.weight, norm.variance_epsilon), gate_up_weight).chunk(2, dim=-1)
+            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
         logits = self.model.lm_head(rms_norm(hidden, text.norm.weight, text.norm.variance_epsilon))
         cache_lens += 1
         positions += 1

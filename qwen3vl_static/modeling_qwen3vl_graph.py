@@ -10,6 +10,7 @@ passed by the caller, ...) runs transformers' own code path.
 """
 
 import threading
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -64,7 +65,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Name every Auto class in `auto_map`, not only the ones the classes were registered for.
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map()}
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        with self._runner.separate_weights() if self._runner is not None else nullcontext():
+            return super().save_pretrained(save_directory, *args, **kwargs)
 
     # transformers would wrap each decode step in torch.compile(mode="reduce-overhead") as soon as it sees a
     # static cache on CUDA: our loop never calls that step, and the fallback paths should not compile either.
@@ -75,7 +77,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         """The persistent KV cache, allocated on first use for the model's current device and dtype."""
         weight = self.model.language_model.embed_tokens.weight
         cache = self._static_cache
-        if cache is None or cache.full_keys[0].device != weight.device or cache.full_keys[0].dtype != weight.dtype:
+        stale = cache is None or (cache.full_keys[0].device, cache.full_keys[0].dtype) != (weight.device, weight.dtype)
+        if stale or not self._runner.weights_current():
             self._static_cache = self._runner = None  # free the old cache before allocating the new one
             cache = ASStaticCache(
                 self.config, self.config.max_batch_size, self.config.static_cache_len, weight.device, weight.dtype

@@ -67,3 +67,34 @@ def test_real_2b_architecture_ships_with_the_package():
     assert config.model_type == "qwen3_vl_graph"
     assert (config.text_config.num_hidden_layers, config.text_config.hidden_size) == (28, 2048)
     assert config.vision_config.deepstack_visual_indexes == [5, 11, 17]
+
+
+def test_fused_projections_keep_one_copy_and_the_stock_checkpoint(tiny_pair, tmp_path):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    ours, stock = tiny_pair
+    ours.static_cache()
+    attn, mlp = ours.model.language_model.layers[0].self_attn, ours.model.language_model.layers[0].mlp
+    storage = attn.q_proj.weight.untyped_storage().data_ptr()
+    assert storage == attn.k_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+    assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
+    for name, tensor in stock.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], tensor), name
+    ours.save_pretrained(tmp_path)
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == storage  # fused again after saving
+    reloaded, info = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(reloaded.model.language_model.layers[0].self_attn.k_proj.weight, attn.k_proj.weight)
+
+
+def test_replaced_weights_rebuild_the_runner(tiny_pair):
+    ours, _ = tiny_pair
+    runner = ours._runner or (ours.static_cache() and ours._runner)
+    layer = ours.model.language_model.layers[1]
+    original = layer.mlp.up_proj.weight.data
+    layer.mlp.up_proj.weight.data = original.clone()  # what .to() or a re-assignment does
+    try:
+        ours.static_cache()
+        assert ours._runner is not runner and ours._runner.weights_current()
+    finally:
+        ours.static_cache()
