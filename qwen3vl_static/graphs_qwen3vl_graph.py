@@ -89,8 +89,18 @@ class DecodeRunner:
         self.qkv_weights, self.gate_up_weights = self.fused_weights[0::2], self.fused_weights[1::2]
         self.graphs = {}
         self.pool = None
+        self.warmup_stream = None  # one side stream: each new stream would get its own cuBLAS workspace
         self.batch_size = 0
         self.length = 0  # slots filled in every real row (rows advance in lockstep)
+
+    def buffer_bytes(self) -> int:
+        """Memory of the static decode buffers (not the cache, not the weights)."""
+        weights = {id(fused) for fused in self.fused_weights}
+        return sum(
+            value.numel() * value.element_size()
+            for value in vars(self).values()
+            if isinstance(value, torch.Tensor) and id(value) not in weights
+        )
 
     def weights_current(self) -> bool:
         """False once the model's weights were replaced (e.g. moved): the runner must be rebuilt."""
@@ -236,7 +246,9 @@ class DecodeRunner:
         state = [self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step]
         saved = [tensor.clone() for tensor in state]
         rng = torch.cuda.get_rng_state()
-        stream = torch.cuda.Stream()
+        if self.warmup_stream is None:
+            self.warmup_stream = torch.cuda.Stream()
+        stream = self.warmup_stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
