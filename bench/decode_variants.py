@@ -22,6 +22,7 @@ for name, backends in [("default", None), ("cudnn", [SDPBackend.CUDNN_ATTENTION]
         prompt = text_prompt(ours.config, batch, 512, "cuda", torch.Generator().manual_seed(0))
         ours.generate(**prompt, max_new_tokens=24, do_sample=False)  # sets up a request of this batch size
         runner.graphs.clear()
+        runner.pool = None  # the pool goes with its last graph
         try:
             with sdpa_kernel(backends) if backends else torch.no_grad(), torch.no_grad():
                 runner.batch_size = batch
