@@ -133,20 +133,16 @@ class DecodeRunner:
         if attention_mask is not None:
             self.attendable[:batch, :prompt_len] = attention_mask.bool()
 
-    def set_sampling(self, temperature, top_k, top_p, eos_ids, pad_id, unfinished) -> None:
-        """Sampling parameters and EOS state of the request (dummy rows: finished, greedy-safe values)."""
-        batch = self.batch_size
-        self.temperature.fill_(1.0)
-        self.temperature[:batch] = temperature
-        self.top_k.fill_(self.logits.shape[1])
-        self.top_k[:batch] = top_k
-        self.top_p.fill_(float("inf"))
-        self.top_p[:batch] = top_p
+    def set_sampling(self, temperature: float, top_k: int | None, top_p: float | None, eos_ids, pad_id) -> None:
+        """Sampling parameters and EOS ids of the request (None disables top-k / top-p). Every row starts
+        finished; the caller marks the real rows unfinished after its first token."""
+        self.temperature.fill_(temperature)
+        self.top_k.fill_(self.logits.shape[1] if top_k is None else top_k)
+        self.top_p.fill_(float("inf") if top_p is None else top_p)
         self.eos_ids.fill_(-1)
         self.eos_ids[: len(eos_ids)] = torch.tensor(eos_ids, dtype=torch.long)
-        self.pad_id.fill_(pad_id)
+        self.pad_id.fill_(0 if pad_id is None else int(pad_id))
         self.unfinished.fill_(False)
-        self.unfinished[:batch] = unfinished.bool()
 
     # -- stepping ------------------------------------------------------------------------------------------
 

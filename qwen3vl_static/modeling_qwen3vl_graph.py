@@ -172,19 +172,16 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
     def _device_loop(self, input_ids, logits, plan, generation_config, streamer):
         """Sampling and EOS checks on the device, `steps_per_sync` steps per host read."""
         runner = self._runner
+        pad_id = generation_config._pad_token_tensor
+        runner.set_sampling(plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"], pad_id)
         batch = input_ids.shape[0]
         if plan["mode"] == "greedy":
             tokens = logits.argmax(dim=-1)
-        else:
-            rows = torch.ones(batch, device=logits.device)
-            tokens = sample_tokens(logits, rows * plan["temperature"], (rows * plan["top_k"]).long(), rows * plan["top_p"])
+        else:  # the first token comes from the prefill logits, drawn with the same sampler eagerly
+            tokens = sample_tokens(logits, runner.temperature[:batch], runner.top_k[:batch], runner.top_p[:batch])
         eos_ids = torch.tensor(plan["eos_ids"], dtype=torch.long, device=tokens.device)
         unfinished = ~torch.isin(tokens, eos_ids)
-        pad_id = generation_config._pad_token_tensor
-        runner.set_sampling(
-            plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"],
-            int(pad_id) if pad_id is not None else 0, unfinished,
-        )
+        runner.unfinished[:batch] = unfinished
         sequences = [input_ids.cpu(), tokens[:, None].cpu()]
         if streamer is not None:
             streamer.put(sequences[-1][:, 0])
@@ -256,7 +253,7 @@ def _device_plan(logits_processor, stopping_criteria, generation_config) -> dict
     if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
         return None
     plan = {"mode": "sample" if generation_config.do_sample else "greedy",
-            "temperature": 1.0, "top_k": 1 << 62, "top_p": float("inf"), "eos_ids": [], "max_length": None}
+            "temperature": 1.0, "top_k": None, "top_p": None, "eos_ids": [], "max_length": None}
     for processor in logits_processor:
         kind = type(processor)
         if kind is TemperatureLogitsWarper:

@@ -28,7 +28,7 @@ def assert_same_generate(ours, stock, model_inputs, **kwargs):
     return got, expected
 
 
-def used_static_loop(model, model_inputs, sequences):
+def used_static_loop(model, sequences):
     """The runner's fill level proves the static loop (not the stock fallback) produced these tokens."""
     return model._runner is not None and model._runner.length == sequences.shape[1] - 1
 
@@ -44,7 +44,7 @@ def test_greedy_matches_stock(tiny_pair, case):
     model_inputs = tiny_inputs(conversations, **media)
     got, _ = assert_same_generate(ours, stock, model_inputs, max_new_tokens=24, do_sample=False)
     assert got.shape[1] == model_inputs["input_ids"].shape[1] + 24
-    assert used_static_loop(ours, model_inputs, got)
+    assert used_static_loop(ours, got)
 
 
 def test_two_calls_in_a_row_and_multi_turn(tiny_pair):
@@ -58,7 +58,7 @@ def test_two_calls_in_a_row_and_multi_turn(tiny_pair):
     second = first + [chat(reply, role="assistant"), chat("image", "And this one?")]
     model_inputs = tiny_inputs([second], images=[image(64, 64), image(96, 64, "green")])
     got, _ = assert_same_generate(ours, stock, model_inputs, max_new_tokens=12, do_sample=False)
-    assert used_static_loop(ours, model_inputs, got)
+    assert used_static_loop(ours, got)
 
 
 def test_max_new_tokens_fills_capacity_exactly(tiny_pair):
@@ -87,7 +87,7 @@ def test_host_loop_seeded_sampling_matches_stock(tiny_pair):
     torch.manual_seed(1234)
     got = ours.generate(**model_inputs, **kwargs, logits_processor=LogitsProcessorList([Identity()]))
     assert got.tolist() == expected.tolist()
-    assert used_static_loop(ours, model_inputs, got)
+    assert used_static_loop(ours, got)
 
 
 def test_device_sampling_is_seeded_and_honours_warpers(tiny_pair):
@@ -160,7 +160,7 @@ def test_scores_and_logits_in_dict_output(tiny_pair):
     assert len(got.scores) == len(expected.scores) == 8
     for ours_step, stock_step in zip(got.logits, expected.logits):
         torch.testing.assert_close(ours_step, stock_step, rtol=1e-4, atol=1e-4)
-    assert used_static_loop(ours, model_inputs, got.sequences)
+    assert used_static_loop(ours, got.sequences)
 
 
 def test_hidden_state_outputs_run_the_stock_loop(tiny_pair):
