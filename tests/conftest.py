@@ -4,7 +4,7 @@ from PIL import Image
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
-from qwen3vl_static.presets import tiny_config, tiny_config_dict, tiny_inputs
+from qwen3vl_static.presets import tiny_config, tiny_config_dict, tiny_image_processor, tiny_inputs, tiny_tokenizer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,3 +40,24 @@ def build(case):
     """Model inputs for a `(conversations, media)` case."""
     conversations, media = case
     return tiny_inputs(conversations, **media)
+
+
+AUTO_MAP = {
+    "AutoConfig": "configuration_qwen3vl_graph.Qwen3VLGraphConfig",
+    "AutoModel": "modeling_qwen3vl_graph.Qwen3VLGraphModel",
+    "AutoModelForImageTextToText": "modeling_qwen3vl_graph.Qwen3VLGraphForConditionalGeneration",
+    "AutoModelForVision2Seq": "modeling_qwen3vl_graph.Qwen3VLGraphForConditionalGeneration",
+}
+
+
+def save_stock_checkpoint(folder):
+    """A stock Qwen3-VL checkpoint as `save_pretrained` writes it: tiny model, tokenizer, image processor."""
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    tiny_image_processor().save_pretrained(folder)
+    return folder
+
+
+def assert_clean(info):
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

@@ -15,12 +15,11 @@ import torch
 from transformers import Qwen3VLForConditionalGeneration
 
 import qwen3vl_static
-from conftest import chat, image
+from conftest import AUTO_MAP, assert_clean, chat, image, save_stock_checkpoint
 from qwen3vl_static import Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.cli import main
 from qwen3vl_static.convert import convert, hub_module_files
 from qwen3vl_static.presets import tiny_inputs
-from test_loading import AUTO_MAP, assert_clean, save_stock_checkpoint
 
 # Package files that stay home; every other module is needed by the custom code on the Hub.
 HOME_ONLY = {"__init__.py", "__main__.py", "cli.py", "convert.py", "presets.py"}

@@ -11,28 +11,7 @@ from transformers import AutoConfig, Qwen3VLConfig, Qwen3VLForConditionalGenerat
 
 from qwen3vl_static import Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, Qwen3VLGraphModel
 from qwen3vl_static.convert import hub_module_files
-from qwen3vl_static.presets import tiny_config_dict, tiny_image_processor, tiny_tokenizer
-
-AUTO_MAP = {
-    "AutoConfig": "configuration_qwen3vl_graph.Qwen3VLGraphConfig",
-    "AutoModel": "modeling_qwen3vl_graph.Qwen3VLGraphModel",
-    "AutoModelForImageTextToText": "modeling_qwen3vl_graph.Qwen3VLGraphForConditionalGeneration",
-    "AutoModelForVision2Seq": "modeling_qwen3vl_graph.Qwen3VLGraphForConditionalGeneration",
-}
-
-
-def save_stock_checkpoint(folder):
-    """A stock Qwen3-VL checkpoint as `save_pretrained` writes it: tiny model, tokenizer, image processor."""
-    torch.manual_seed(0)
-    Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    tiny_image_processor().save_pretrained(folder)
-    return folder
-
-
-def assert_clean(info):
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-
+from conftest import AUTO_MAP, assert_clean, save_stock_checkpoint
 
 def tensor_names(folder):
     with safe_open(str(folder / "model.safetensors"), "pt") as weights:
