@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from transformers import AutoConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import AutoConfig, Qwen3VLForConditionalGeneration
 
 from qwen3vl_static import Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, Qwen3VLGraphModel
 from qwen3vl_static.convert import hub_module_files
