@@ -13,7 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qwen3vl_static.bench import build_models, text_prompt
 
-ours, _ = build_models(torch.device("cuda"), torch.bfloat16, cache_len=1024, max_batch=8)
+# The SDPA backend matters only for the torch ops (the Triton kernels have their own attention).
+ours, _ = build_models(torch.device("cuda"), torch.bfloat16, static_cache_len=1024, max_batch_size=8, use_triton_kernels=False)
 runner = ours._runner
 results = {}
 for name, backends in [("default", None), ("cudnn", [SDPBackend.CUDNN_ATTENTION]), ("flash", [SDPBackend.FLASH_ATTENTION]),

@@ -23,9 +23,10 @@ from .presets import REAL_2B_DIR, real_2b_config
 SHORT, LONG = 16, 80  # decode lengths whose time difference gives ms/step
 
 
-def build_models(device, dtype, cache_len, max_batch):
-    """Ours and the stock class over one set of weights (the stock model borrows our tensors)."""
-    config = real_2b_config(static_cache_len=cache_len, max_batch_size=max_batch)
+def build_models(device, dtype, **settings):
+    """Ours (with these config settings) and the stock class over one set of weights (the stock model borrows
+    our tensors)."""
+    config = real_2b_config(**settings)
     torch.manual_seed(0)
     with torch.device(device):
         ours = Qwen3VLGraphForConditionalGeneration._from_config(config, dtype=dtype).eval()
@@ -126,7 +127,7 @@ def run(args) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA GPU; on a CPU run `python -m qwen3vl_static demo`")
     device, dtype = torch.device("cuda"), torch.bfloat16
-    ours, stock = build_models(device, dtype, cache_len=1024, max_batch=8)
+    ours, stock = build_models(device, dtype, use_triton_kernels=not args.torch_ops)  # default cache: 8 x 4096
     generator = torch.Generator().manual_seed(0)
     prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in args.batch_sizes}
     image = image_prompt(ours.config, device, generator)
@@ -181,6 +182,7 @@ def run(args) -> dict:
         "date": date.today().isoformat(),
         "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]),
         "graphs_captured": len(ours._runner.graphs),
+        "decode_ops": ours._runner.ops.__name__,
         "kv_cache_gb": cache_gb,
         "static_buffers_gb": buffers_gb,
         "graph_pool_reserved_gb_after_warmup": graph_pool_gb,

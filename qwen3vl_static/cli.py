@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     bench.add_argument("--context", type=int, default=512, help="prompt tokens of the decode measurements")
     bench.add_argument("--with-compile", action="store_true",
                        help="also measure stock cache_implementation='static' (auto-compile, ~45 s per shape)")
+    bench.add_argument("--torch-ops", action="store_true", help="run our decode step on torch ops, not Triton kernels")
     bench.add_argument("--out", type=Path, default=Path("bench/results"))
     bench.set_defaults(run=_bench)
 
@@ -74,7 +75,7 @@ def _demo(args) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda":
-        model, stock = build_models(device, torch.bfloat16, cache_len=1024, max_batch=8)
+        model, stock = build_models(device, torch.bfloat16)
         inputs = image_prompt(model.config, device, torch.Generator().manual_seed(0))
         print("model: real Qwen3-VL-2B shapes, random bf16 weights;", f"prompt: {inputs['input_ids'].shape[1]} tokens")
         print(f"captured decode graphs in {model.warmup(batch_sizes=[1], modes=('greedy',)):.2f} s")

@@ -17,6 +17,10 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
         use_cuda_graphs (`bool`, defaults to `True`):
             Replay the decode step as captured CUDA graphs when the model is on a CUDA device. When `False` (or on
             the CPU) the same static-cache step runs eagerly.
+        use_triton_kernels (`bool`, defaults to `True`):
+            Run the decode step's norms, rotary embedding, cache writes, attention and SwiGLU as fused Triton
+            kernels on CUDA (bf16/fp16 models, when Triton is installed). Otherwise, or when `False`, the same
+            math runs as torch ops.
         max_batch_size (`int`, defaults to 8):
             Rows of the one persistent KV cache. A `generate` call with more sequences raises a `ValueError`.
         static_cache_len (`int`, defaults to 4096):
@@ -43,6 +47,7 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     model_type = "qwen3_vl_graph"
 
     use_cuda_graphs: bool = True
+    use_triton_kernels: bool = True
     max_batch_size: int = 8
     static_cache_len: int = 4096
     graph_batch_sizes: list[int] | None = None

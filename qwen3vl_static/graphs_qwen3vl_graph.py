@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .kernels_qwen3vl_graph import fuse_weights, is_fused, qk_norm_rope, rms_norm, rotary_tables
+from .kernels_qwen3vl_graph import decode_ops, fuse_weights, is_fused
 
 MODES = ("logits", "greedy", "sample")
 MAX_EOS_IDS = 8
@@ -45,7 +45,7 @@ def sample_tokens(logits, temperature, top_k, top_p):
 
 
 class DecodeRunner:
-    def __init__(self, model, cache, batch_buckets, cache_buckets, steps_per_sync: int, use_graphs: bool):
+    def __init__(self, model, cache, batch_buckets, cache_buckets, steps_per_sync: int, use_graphs: bool, use_triton: bool):
         self.model = model
         self.cache = cache
         self.batch_buckets = batch_buckets
@@ -53,6 +53,7 @@ class DecodeRunner:
         rows, slots = cache.rows, cache.capacity
         device = cache.full_keys[0].device
         self.use_graphs = use_graphs and device.type == "cuda"
+        self.ops = decode_ops(device, cache.full_keys[0].dtype, use_triton)
         vocab = model.lm_head.out_features
 
         def zeros(*shape, dtype=torch.long):
@@ -62,8 +63,6 @@ class DecodeRunner:
         self.positions = zeros(3, rows, 1)
         self.cache_lens = zeros(rows)
         self.attendable = torch.ones(rows, slots, dtype=torch.bool, device=device)
-        self.slot_ids = torch.arange(slots, device=device)
-        self.row_ids = torch.arange(rows, device=device)
         self.logits = zeros(rows, vocab, dtype=torch.float32)
         self.temperature = torch.ones(rows, device=device)
         self.top_k = torch.full((rows,), vocab, dtype=torch.long, device=device)
@@ -195,42 +194,27 @@ class DecodeRunner:
 
     def forward(self, rows: int, kv_len: int) -> torch.Tensor:
         """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row."""
-        text = self.model.model.language_model
+        ops, text = self.ops, self.model.model.language_model
         ids, positions, cache_lens = self.input_ids[:rows], self.positions[:, :rows], self.cache_lens[:rows]
         hidden = text.embed_tokens(ids)[:, 0]
-        cos, sin = rotary_tables(*text.rotary_emb(hidden, positions))  # (rows, 1, head_dim), shared by all layers
-        # A slot is read only if it is written (slot <= this row's length, the current token included) and not
-        # left padding: never an unwritten or stale slot. Additive form, built once per step.
-        readable = self.attendable[:rows, :kv_len] & (self.slot_ids[:kv_len] <= cache_lens[:, None])
-        mask = torch.zeros(readable.shape, dtype=hidden.dtype, device=hidden.device)
-        mask = mask.masked_fill(~readable, float("-inf"))[:, None, None, :]
-        row_ids = self.row_ids[:rows]
-        layers = zip(text.layers, self.cache.full_keys, self.cache.full_values, self.qkv_weights, self.gate_up_weights)
-        for layer, keys, values, qkv_weight, gate_up_weight in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            kv_heads, head_dim = keys.shape[1], keys.shape[-1]
-            heads = attn.config.num_attention_heads
-            x = rms_norm(hidden, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            qkv = F.linear(x, qkv_weight).view(rows, -1, head_dim)  # query, key, value heads in that order
-            qk = qk_norm_rope(
-                qkv[:, : heads + kv_heads], heads, attn.q_norm.weight, attn.k_norm.weight,
-                attn.q_norm.variance_epsilon, cos, sin,
+        rotary = ops.rotary(*text.rotary_emb(hidden, positions))  # shared by all layers
+        context = ops.attention_context(self.attendable[:rows], cache_lens, kv_len, hidden.dtype)
+        # Each residual add is fused with the RMSNorm that follows it (the next layer's input norm, or the final one).
+        norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]
+        first = text.layers[0].input_layernorm
+        x = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
+        layers = zip(text.layers, norms, self.cache.full_keys, self.cache.full_values, self.qkv_weights, self.gate_up_weights)
+        for layer, next_norm, keys, values, qkv_weight, gate_up_weight in layers:
+            attn, norm = layer.self_attn, layer.post_attention_layernorm
+            q = ops.qk_norm_rope_write(
+                F.linear(x, qkv_weight), attn.config.num_attention_heads, attn.q_norm.weight, attn.k_norm.weight,
+                attn.q_norm.variance_epsilon, rotary, keys, values, cache_lens,
             )
-            keys[row_ids, :, cache_lens] = qk[:, heads:]
-            values[row_ids, :, cache_lens] = qkv[:, heads + kv_heads :]
-            # Grouped-query attention without repeating K/V: the query heads of one KV head form its query rows.
-            out = F.scaled_dot_product_attention(
-                qk[:, :heads].reshape(rows, kv_heads, -1, head_dim),
-                keys[:rows, :, :kv_len],
-                values[:rows, :, :kv_len],
-                attn_mask=mask,
-                scale=attn.scaling,
-            )
-            hidden = hidden + attn.o_proj(out.reshape(rows, -1))
-            norm = layer.post_attention_layernorm
-            gate, up = F.linear(rms_norm(hidden, norm.weight, norm.variance_epsilon), gate_up_weight).chunk(2, dim=-1)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
-        logits = self.model.lm_head(rms_norm(hidden, text.norm.weight, text.norm.variance_epsilon))
+            out = ops.decode_attention(q, keys, values, context, kv_len, attn.scaling)
+            hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon)
+            mlp_out = layer.mlp.down_proj(ops.silu_mul(F.linear(x, gate_up_weight)))
+            hidden, x = ops.add_rms_norm(hidden, mlp_out, next_norm.weight, next_norm.variance_epsilon)
+        logits = self.model.lm_head(x)
         cache_lens += 1
         positions += 1
         return logits

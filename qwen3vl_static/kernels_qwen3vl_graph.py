@@ -1,18 +1,20 @@
-"""Decode-step building blocks with as few kernel launches as plain torch allows.
+"""The decode step's building blocks: plain-torch reference ops and fused Triton kernels.
 
-At batch 1 a decode step is launch-bound: the stock RMSNorm alone is eight kernels (upcast, square,
-mean, add, rsqrt, multiply, downcast, scale), and it runs four times per layer. These functions compute
-the same math as the stock modules with fused torch primitives; fused Triton kernels can replace them
-one by one behind the same signatures.
+At small batch a decode step is launch-bound: the stock RMSNorm alone is eight kernels and runs four
+times per layer. `TorchDecodeOps` computes the stock math with the fewest torch primitives (and runs
+everywhere, the CPU included); `TritonDecodeOps` fuses each block into one kernel. Both take and return
+the same tensors, so the runner picks one set and the step does not change. Triton is optional: without
+it (or without a GPU) the torch ops run.
 """
 
 import torch
 import torch.nn.functional as F
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Stock `Qwen3VLTextRMSNorm` (float32 statistics) as one kernel; the scale is applied before rounding."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch ops cover every environment
+    triton = None
 
 
 def fuse_weights(linears) -> torch.Tensor:
@@ -39,18 +41,276 @@ def is_fused(fused: torch.Tensor, linears) -> bool:
     return True
 
 
-def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-step tables for `rope`: `rotate_half(x) * sin == x.roll(d/2) * signed_sin`."""
-    half = sin.shape[-1] // 2
-    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+class TorchDecodeOps:
+    """Reference decode ops in plain torch (same math as the stock modules)."""
+
+    @staticmethod
+    def rotary(cos, sin):
+        """Per-step rotary tables from `rotary_emb` `(rows, 1, D)`: `rotate_half(x) * sin == x.roll(D/2) * signed_sin`."""
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+    @staticmethod
+    def attention_context(attendable, cache_lens, kv_len, dtype):
+        """What attention needs besides Q/K/V, built once per step: here an additive mask `(rows, 1, 1, kv_len)`.
+
+        A slot is read only if it is written (slot <= the row's length, the current token included) and is not
+        left padding: never an unwritten or stale slot.
+        """
+        slots = torch.arange(kv_len, device=cache_lens.device)
+        readable = attendable[:, :kv_len] & (slots <= cache_lens[:, None])
+        mask = torch.zeros(readable.shape, dtype=dtype, device=readable.device)
+        return mask.masked_fill(~readable, float("-inf"))[:, None, None, :]
+
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        """Stock `Qwen3VLTextRMSNorm` (float32 statistics) as one kernel; the scale is applied before rounding."""
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    @classmethod
+    def add_rms_norm(cls, hidden, delta, weight, eps):
+        """Residual add, then RMSNorm of the sum: returns (sum, normed sum)."""
+        hidden = hidden + delta
+        return hidden, cls.rms_norm(hidden, weight, eps)
+
+    @staticmethod
+    def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_lens):
+        """QK-norm and rotary embedding of the fused QKV output `(rows, (Hq + 2 Hkv) * D)`; writes K and V into
+        the cache at each row's slot `cache_lens[row]` and returns the queries `(rows, Hq, D)`."""
+        rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
+        qkv = qkv.view(rows, -1, head_dim)
+        qk = F.rms_norm(qkv[:, : heads + kv_heads], (head_dim,), eps=eps)
+        qk[:, :heads] *= q_weight
+        qk[:, heads:] *= k_weight
+        cos, signed_sin = rotary
+        qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), signed_sin)
+        row_ids = torch.arange(rows, device=qkv.device)
+        keys[row_ids, :, cache_lens] = qk[:, heads:]
+        values[row_ids, :, cache_lens] = qkv[:, heads + kv_heads :]
+        return qk[:, :heads]
+
+    @staticmethod
+    def decode_attention(q, keys, values, context, kv_len, scale):
+        """One query token per row over the first `kv_len` cache slots; returns `(rows, Hq * D)`.
+
+        Grouped-query attention without repeating K/V: the query heads of one KV head form its query rows.
+        """
+        rows, kv_heads, head_dim = q.shape[0], keys.shape[1], keys.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q.reshape(rows, kv_heads, -1, head_dim),
+            keys[:rows, :, :kv_len],
+            values[:rows, :, :kv_len],
+            attn_mask=context,
+            scale=scale,
+        )
+        return out.reshape(rows, -1)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        """SwiGLU of the fused gate/up output `(rows, 2 I)`: silu(gate) * up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
-def qk_norm_rope(qk, heads, q_weight, k_weight, eps, cos, signed_sin):
-    """QK-norm and rotary embedding of one token's query and key heads, together.
+if triton is not None:
 
-    `qk` is `(B, Hq + Hkv, D)` with the `heads` query heads first (adjacent in the fused QKV output).
+    @triton.jit
+    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < n_cols
+        x = tl.load(hidden + row * n_cols + cols, mask=keep, other=0.0)
+        if HAS_DELTA:
+            # The sum is rounded to storage precision first, exactly as `hidden + delta` would be.
+            x = (x.to(tl.float32) + tl.load(delta + row * n_cols + cols, mask=keep, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(sum_out + row * n_cols + cols, x, mask=keep)
+        x = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        w = tl.load(weight + cols, mask=keep, other=0.0).to(tl.float32)
+        tl.store(norm_out + row * n_cols + cols, (x * rstd * w).to(norm_out.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _norm_rope(base, weight, cos, sin, rstd, HEAD_DIM: tl.constexpr):
+        """One head: RMSNorm scale and rotary embedding in float32, as its two halves."""
+        half = tl.arange(0, HEAD_DIM // 2)
+        x1 = tl.load(base + half).to(tl.float32) * rstd * tl.load(weight + half).to(tl.float32)
+        x2 = tl.load(base + HEAD_DIM // 2 + half).to(tl.float32) * rstd * tl.load(weight + HEAD_DIM // 2 + half).to(tl.float32)
+        c1 = tl.load(cos + half).to(tl.float32)
+        c2 = tl.load(cos + HEAD_DIM // 2 + half).to(tl.float32)
+        s1 = tl.load(sin + half).to(tl.float32)
+        s2 = tl.load(sin + HEAD_DIM // 2 + half).to(tl.float32)
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+    @triton.jit
+    def _qk_norm_rope_write_kernel(
+        qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_lens, eps,
+        stride_cache_row, stride_cache_head, stride_cache_slot,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)  # < HEADS: a query head; else a key head (and the value head that goes with it)
+        half = tl.arange(0, HEAD_DIM // 2)
+        dims = tl.arange(0, HEAD_DIM)
+        base = qkv + row * (HEADS + 2 * KV_HEADS) * HEAD_DIM + head * HEAD_DIM
+        x = tl.load(base + dims).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        cos_row = cos + row * HEAD_DIM
+        sin_row = sin + row * HEAD_DIM
+        if head < HEADS:
+            y1, y2 = _norm_rope(base, q_weight, cos_row, sin_row, rstd, HEAD_DIM)
+            out = q_out + (row * HEADS + head) * HEAD_DIM
+            tl.store(out + half, y1.to(q_out.dtype.element_ty))
+            tl.store(out + HEAD_DIM // 2 + half, y2.to(q_out.dtype.element_ty))
+        else:
+            y1, y2 = _norm_rope(base, k_weight, cos_row, sin_row, rstd, HEAD_DIM)
+            slot = tl.load(cache_lens + row)
+            offset = row * stride_cache_row + (head - HEADS) * stride_cache_head + slot * stride_cache_slot
+            tl.store(keys + offset + half, y1.to(keys.dtype.element_ty))
+            tl.store(keys + offset + HEAD_DIM // 2 + half, y2.to(keys.dtype.element_ty))
+            tl.store(values + offset + dims, tl.load(base + KV_HEADS * HEAD_DIM + dims))  # value head: KV_HEADS heads on
+
+    @triton.jit
+    def _attention_split_kernel(
+        q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+        stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
+        SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Flash-decoding, pass 1: one (row, KV head, chunk of slots) per program, online softmax over the chunk."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        heads = kv_head * GROUP + group
+        q_tile = tl.load(
+            q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :], mask=group[:, None] < GROUP, other=0.0
+        )
+        length = tl.load(cache_lens + row)  # slots 0..length are written (the current token at `length`)
+        best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+        total = tl.zeros((GROUP_PAD,), tl.float32)
+        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+        cache_offset = row * stride_cache_row + kv_head * stride_cache_head
+        for start in range(split * CHUNK, split * CHUNK + CHUNK, BLOCK_N):
+            slots = start + tl.arange(0, BLOCK_N)
+            readable = (slots <= length) & (tl.load(attendable + row * stride_attendable + slots, mask=slots <= length, other=0) != 0)
+            k = tl.load(keys + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=readable[:, None], other=0.0)
+            scores = tl.dot(q_tile, tl.trans(k)).to(tl.float32) * scale
+            scores = tl.where(readable[None, :], scores, float("-inf"))
+            new_best = tl.maximum(best, tl.max(scores, axis=1))
+            base = tl.where(new_best == float("-inf"), 0.0, new_best)  # an all-masked block must not give NaN
+            weights = tl.exp(scores - base[:, None])
+            correction = tl.exp(best - base)
+            total = total * correction + tl.sum(weights, axis=1)
+            v = tl.load(values + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=readable[:, None], other=0.0)
+            acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v).to(tl.float32)
+            best = new_best
+        part = (row * KV_HEADS * GROUP + heads) * SPLITS + split
+        tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=group[:, None] < GROUP)
+        tl.store(part_max + part, best, mask=group < GROUP)
+        tl.store(part_sum + part, total, mask=group < GROUP)
+
+    @triton.jit
+    def _attention_combine_kernel(part_out, part_max, part_sum, out, SPLITS, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Flash-decoding, pass 2: merge the chunks of one (row, query head)."""
+        head = tl.program_id(0)  # row * HEADS + query head
+        splits = tl.arange(0, SPLITS_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        live = splits < SPLITS
+        best = tl.load(part_max + head * SPLITS + splits, mask=live, other=float("-inf"))
+        top = tl.max(best, axis=0)
+        scale = tl.where(live, tl.exp(best - top), 0.0)
+        total = tl.sum(tl.load(part_sum + head * SPLITS + splits, mask=live, other=0.0) * scale, axis=0)
+        acc = tl.load(part_out + (head * SPLITS + splits[:, None]) * HEAD_DIM + dims[None, :], mask=live[:, None], other=0.0)
+        result = tl.sum(acc * scale[:, None], axis=0) / total
+        tl.store(out + head * HEAD_DIM + dims, result.to(out.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = cols < n_cols
+        gate = tl.load(gate_up + row * 2 * n_cols + cols, mask=keep, other=0.0).to(tl.float32)
+        up = tl.load(gate_up + row * 2 * n_cols + n_cols + cols, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out + row * n_cols + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out.dtype.element_ty), mask=keep)
+
+
+class TritonDecodeOps(TorchDecodeOps):
+    """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output."""
+
+    CHUNK = 64  # KV slots per flash-decoding program
+    BLOCK_N = 32
+
+    @staticmethod
+    def rotary(cos, sin):
+        return cos.reshape(cos.shape[0], -1).contiguous(), sin.reshape(sin.shape[0], -1).contiguous()
+
+    @staticmethod
+    def attention_context(attendable, cache_lens, kv_len, dtype):
+        return attendable, cache_lens
+
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        out = torch.empty_like(x)
+        _add_rms_norm_kernel[(x.shape[0],)](x, x, weight, x, out, x.shape[1], eps, HAS_DELTA=False,
+                                            BLOCK=triton.next_power_of_2(x.shape[1]))
+        return out
+
+    @staticmethod
+    def add_rms_norm(hidden, delta, weight, eps):
+        total, out = torch.empty_like(hidden), torch.empty_like(hidden)
+        _add_rms_norm_kernel[(hidden.shape[0],)](hidden, delta, weight, total, out, hidden.shape[1], eps, HAS_DELTA=True,
+                                                 BLOCK=triton.next_power_of_2(hidden.shape[1]))
+        return total, out
+
+    @staticmethod
+    def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_lens):
+        rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
+        q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        cos, sin = rotary
+        _qk_norm_rope_write_kernel[(rows, heads + kv_heads)](
+            qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_lens, eps,
+            keys.stride(0), keys.stride(1), keys.stride(2),
+            HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        )
+        return q
+
+    @classmethod
+    def decode_attention(cls, q, keys, values, context, kv_len, scale):
+        attendable, cache_lens = context
+        rows, heads, head_dim = q.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        splits = triton.cdiv(kv_len, cls.CHUNK)
+        part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        _attention_split_kernel[(rows, kv_heads, splits)](
+            q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+            keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
+            splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_N=cls.BLOCK_N,
+        )
+        out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
+        _attention_combine_kernel[(rows * heads,)](
+            part_out, part_max, part_sum, out, splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim
+        )
+        return out
+
+    @staticmethod
+    def silu_mul(gate_up):
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
+        block = 1024
+        _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block)
+        return out
+
+
+def decode_ops(device: torch.device, dtype: torch.dtype, allow_triton: bool):
+    """The fused kernels where they run (CUDA, Triton, 16-bit weights; when allowed), else the torch reference.
+
+    Float32 models keep the torch ops: `tl.dot` would round float32 inputs to TF32.
     """
-    qk = F.rms_norm(qk, (qk.shape[-1],), eps=eps)
-    qk[:, :heads] *= q_weight
-    qk[:, heads:] *= k_weight
-    return torch.addcmul(qk * cos, qk.roll(qk.shape[-1] // 2, dims=-1), signed_sin)
+    if allow_triton and triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return TritonDecodeOps
+    return TorchDecodeOps

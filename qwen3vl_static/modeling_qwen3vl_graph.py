@@ -86,7 +86,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             self._static_cache = cache
             self._runner = DecodeRunner(
                 self, cache, self.config.batch_buckets(), self.config.cache_buckets(),
-                self.config.steps_per_sync, self.config.use_cuda_graphs,
+                self.config.steps_per_sync, self.config.use_cuda_graphs, self.config.use_triton_kernels,
             )
         return cache
 

@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in its interpreter; this must be set before they are defined (on import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from PIL import Image
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(scope="module")
 def models():
-    ours, stock = build_models(torch.device("cuda"), torch.bfloat16, cache_len=1024, max_batch=8)
+    ours, stock = build_models(torch.device("cuda"), torch.bfloat16, static_cache_len=1024, max_batch_size=8)
     return ours, stock
 
 

@@ -1,0 +1,104 @@
+"""Fused Triton decode kernels against the torch reference ops: on the CPU through TRITON_INTERPRET=1, natively
+on CUDA. Inputs are fresh random values (never zeros) and every output buffer is poisoned before the call."""
+
+import pytest
+import torch
+
+from qwen3vl_static import kernels_qwen3vl_graph as kernels
+
+pytestmark = pytest.mark.skipif(kernels.triton is None, reason="needs triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton's interpreter mishandles bfloat16 (tl.dot on it returns garbage, float32 -> bfloat16 truncates), so the CPU
+# checks the kernels' logic in float32 and the GPU checks them in the dtype they run in.
+DTYPES = [torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+Torch, Triton = kernels.TorchDecodeOps, kernels.TritonDecodeOps
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_add_rms_norm(dtype):
+    hidden, delta, weight = randn(3, 200, dtype=dtype), randn(3, 200, dtype=dtype), randn(200, dtype=dtype)
+    torch.testing.assert_close(Triton.rms_norm(hidden, weight, 1e-6), Torch.rms_norm(hidden, weight, 1e-6), **TOLERANCE[dtype])
+    total, normed = Triton.add_rms_norm(hidden, delta, weight, 1e-6)
+    expected_total, expected_normed = Torch.add_rms_norm(hidden, delta, weight, 1e-6)
+    torch.testing.assert_close(total, expected_total, rtol=0, atol=0)  # the sum is rounded like torch's add
+    torch.testing.assert_close(normed, expected_normed, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_write_touches_only_each_rows_slot(dtype):
+    rows, heads, kv_heads, dim, slots = 3, 4, 2, 32, 40
+    qkv = randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q_weight, k_weight = randn(dim, dtype=dtype), randn(dim, dtype=dtype)
+    cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
+    cache_lens = torch.tensor([0, 17, 39], device=DEVICE)
+    results = []
+    for ops in (Torch, Triton):
+        keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
+        values = torch.full_like(keys, float("nan"))
+        q = ops.qk_norm_rope_write(qkv, heads, q_weight, k_weight, 1e-6, ops.rotary(cos, sin), keys, values, cache_lens)
+        results.append((q, keys, values))
+    (q_ref, k_ref, v_ref), (q, k, v) = results
+    torch.testing.assert_close(q, q_ref, **TOLERANCE[dtype])
+    written = torch.zeros(rows + 1, slots, dtype=torch.bool, device=DEVICE)
+    written[torch.arange(rows), cache_lens] = True
+    assert k.transpose(1, 2)[~written].isnan().all() and v.transpose(1, 2)[~written].isnan().all()  # nothing else written
+    torch.testing.assert_close(k.transpose(1, 2)[written], k_ref.transpose(1, 2)[written], **TOLERANCE[dtype])
+    torch.testing.assert_close(v.transpose(1, 2)[written], v_ref.transpose(1, 2)[written], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_len", [64, 160])
+def test_decode_attention_reads_only_written_unpadded_slots(dtype, kv_len):
+    rows, heads, kv_heads, dim, capacity = 3, 4, 2, 32, 160
+    q = randn(rows, heads, dim, dtype=dtype)
+    keys, values = randn(rows + 1, kv_heads, capacity, dim, dtype=dtype), randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)
+    cache_lens = torch.tensor([0, 30, kv_len - 1], device=DEVICE)
+    attendable = torch.ones(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
+    attendable[1, :9] = False  # left padding of row 1
+    attendable[2, :kv_len // 2] = False
+    reference = Torch.decode_attention(q, keys, values, Torch.attention_context(attendable[:rows], cache_lens, kv_len, dtype),
+                                       kv_len, dim**-0.5)
+    # Poison every slot that must not be read: unwritten (beyond each row's length) and left padding.
+    slots = torch.arange(capacity, device=DEVICE)
+    unreadable = (slots > torch.cat([cache_lens, cache_lens[:1]])[:, None]) | ~attendable
+    keys[unreadable[:, None, :].expand_as(keys[..., 0])] = float("nan")
+    values[unreadable[:, None, :].expand_as(values[..., 0])] = float("nan")
+    out = Triton.decode_attention(q, keys, values, Triton.attention_context(attendable[:rows], cache_lens, kv_len, dtype),
+                                  kv_len, dim**-0.5)
+    torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gate_up = randn(3, 2 * 1500, dtype=dtype)
+    torch.testing.assert_close(Triton.silu_mul(gate_up), Torch.silu_mul(gate_up), **TOLERANCE[dtype])
+
+
+def test_ops_selection():
+    assert kernels.decode_ops(torch.device("cpu"), torch.bfloat16, True) is Torch
+    assert kernels.decode_ops(torch.device("cuda"), torch.float32, True) is Torch  # tl.dot would round to TF32
+    assert kernels.decode_ops(torch.device("cuda"), torch.bfloat16, False) is Torch
+    assert kernels.decode_ops(torch.device("cuda"), torch.bfloat16, True) is Triton
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CUDA tests cover the kernels in the real model")
+def test_tiny_model_generates_like_stock_with_the_kernels(tiny_pair):
+    """The whole decode loop with every Triton kernel (interpreted, fp32) still equals stock generate."""
+    from conftest import build, chat, image
+
+    ours, stock = tiny_pair
+    model_inputs = build(([[chat("image", "What is it?")], [chat("Hi")]], {"images": [image(64, 64)]}))
+    expected = stock.generate(**model_inputs, max_new_tokens=10, do_sample=False)
+    ours.static_cache()
+    runner = ours._runner
+    runner.ops = Triton
+    try:
+        assert ours.generate(**model_inputs, max_new_tokens=10, do_sample=False).tolist() == expected.tolist()
+    finally:
+        runner.ops = Torch
