@@ -203,7 +203,8 @@ if triton is not None:
             correction = tl.exp(best - base)
             total = total * correction + tl.sum(weights, axis=1)
             v = tl.load(values + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=readable[:, None], other=0.0)
-            acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v).to(tl.float32)
+            # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
+            acc = acc * correction[:, None] + tl.dot(weights, v.to(tl.float32))
             best = new_best
         part = (row * KV_HEADS * GROUP + heads) * SPLITS + split
         tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=group[:, None] < GROUP)

@@ -7,6 +7,7 @@ import torch
 
 from qwen3vl_static.bench import build_models, image_prompt, text_prompt
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG
+from qwen3vl_static.kernels_qwen3vl_graph import TorchDecodeOps
 
 pytestmark = pytest.mark.cuda
 
@@ -47,6 +48,24 @@ def test_graph_equals_eager_static_path(models):
         eager = generate(ours, prompt, 256, graphs=False)
         assert graph.tolist() == eager.tolist()
     assert ours._runner.graphs  # the graph path really ran
+
+
+def test_torch_ops_graph_equals_eager_and_stays_close_to_the_kernels(models):
+    """The torch reference ops (no Triton) on the GPU: graphs reproduce their eager path too."""
+    ours, _ = models
+    ours.static_cache()
+    runner = ours._runner
+    prompt = left_padded(text_prompt(ours.config, 4, 150, "cuda", torch.Generator().manual_seed(8)), [0, 3, 40, 77])
+    kernel_tokens = generate(ours, prompt, 64)
+    kernel_ops, kernel_graphs, kernel_pool = runner.ops, runner.graphs, runner.pool
+    runner.ops, runner.graphs, runner.pool = TorchDecodeOps, {}, None
+    try:
+        graph = generate(ours, prompt, 64)
+        assert graph.tolist() == generate(ours, prompt, 64, graphs=False).tolist()
+    finally:
+        runner.ops, runner.graphs, runner.pool = kernel_ops, kernel_graphs, kernel_pool
+    same = (graph == kernel_tokens)[:, prompt["input_ids"].shape[1]:].float().mean().item()
+    print(f"decode ops {kernel_ops.__name__} vs TorchDecodeOps: {same:.3f} of greedy tokens equal")
 
 
 def test_teacher_forced_logits_agree_with_stock_forward(models):
