@@ -1,7 +1,7 @@
 """ASStaticCache: the one persistent KV cache of a model.
 
 Allocated once for `max_batch_size` rows x `static_cache_len` slots, so the tensor addresses that CUDA graphs bake
-in never change. A request activates its first rows as views of the same storage; `reset()` only rewinds the
+in never change. A request activates the rows and slots it needs as views of the same storage; `reset()` only rewinds the
 write position, because no path ever reads a slot that the current request has not written.
 """
 
@@ -38,11 +38,14 @@ class ASStaticCache(StaticCache):
                 f"from_pretrained(..., static_cache_len={needed_len}), or ask for fewer new tokens."
             )
 
-    def activate(self, batch_size: int) -> None:
-        """Start a request of `batch_size` rows: views of the persistent storage, write position 0."""
+    def activate(self, batch_size: int, length: int) -> None:
+        """Start a request of `batch_size` rows needing `length` slots: views of the persistent storage, write
+        position 0. The views end at `length` because the stock prefill attends over every slot of the
+        cache it is given (masked), so a full-capacity view would make prefill cost grow with capacity."""
         for layer, keys, values in zip(self.layers, self.full_keys, self.full_values):
-            layer.keys, layer.values = keys[:batch_size], values[:batch_size]
+            layer.keys, layer.values = keys[:batch_size, :, :length], values[:batch_size, :, :length]
             layer.batch_size = batch_size
+            layer.max_cache_len = length
         self.reset()
 
     def reset(self) -> None:

@@ -122,7 +122,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences)
         cache = self.static_cache()
         cache.check_capacity(rows, max_cache_length)
-        cache.activate(rows)
+        cache.activate(rows, max_cache_length)
         model_kwargs[CACHE_KWARG] = cache
 
     def warmup(self, batch_sizes=None, cache_lengths=None, modes=("greedy", "sample")) -> float:

@@ -40,7 +40,9 @@ def test_cache_is_allocated_once_and_keeps_addresses(tiny_pair):
         ours.generate(**build((rows, media)), max_new_tokens=3, do_sample=False)
         assert ours.static_cache() is cache
         assert [keys.data_ptr() for keys in cache.full_keys] == pointers
-        assert cache.layers[0].keys.shape[0] == len(rows)  # activated rows are views of the storage
+        model_inputs = build((rows, media))
+        needed = model_inputs["input_ids"].shape[1] + 3 - 1
+        assert cache.layers[0].keys.shape[:3] == (len(rows), 2, needed)  # the request's rows and slots, as views
         assert cache.layers[0].keys.data_ptr() == pointers[0]
     assert isinstance(cache, ASStaticCache) and cache.full_keys[0].shape[:3] == (4, 2, 160)
 
