@@ -19,8 +19,11 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
 
 from .kernels_qwen3vl_graph import decode_ops, fuse_weights, is_fused
+
+logger = logging.get_logger(__name__)
 
 MODES = ("logits", "greedy", "sample")
 MAX_EOS_IDS = 8
@@ -223,6 +226,7 @@ class DecodeRunner:
 
     def capture(self, rows: int, kv_len: int, mode: str) -> torch.cuda.CUDAGraph:
         """Capture one step. Warm-up runs advance the state and the RNG, so both are restored afterwards."""
+        began = time.perf_counter()
         state = [self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step]
         saved = [tensor.clone() for tensor in state]
         rng = torch.cuda.get_rng_state()
@@ -243,10 +247,23 @@ class DecodeRunner:
             self.step(rows, kv_len, mode)
         torch.cuda.set_rng_state(rng)
         self.graphs[(rows, kv_len, mode)] = graph
+        seconds = time.perf_counter() - began
+        message = f"Captured the decode graph for {rows} rows x {kv_len} cache slots ({mode}) in {seconds:.2f} s"
+        if seconds > 1:  # the first capture compiles the Triton kernels (Triton caches them on disk)
+            logger.warning(f"{message}, kernel compilation included; model.warmup() does this ahead of requests.")
+        else:
+            logger.info(message)
         return graph
 
     def warmup(self, batch_sizes, cache_lengths, modes, progress=None) -> float:
         """Capture every (batch bucket, KV bucket, mode) covering these sizes ahead of time; returns seconds."""
+        if set(modes) - set(MODES):
+            raise ValueError(f"warmup modes must be among {MODES}, got {list(modes)}")
+        if max(batch_sizes) > self.batch_buckets[-1] or max(cache_lengths) > self.cache_buckets[-1]:
+            raise ValueError(
+                f"warmup sizes exceed the cache: batch sizes {list(batch_sizes)} (max_batch_size="
+                f"{self.batch_buckets[-1]}), cache lengths {list(cache_lengths)} (static_cache_len={self.cache_buckets[-1]})"
+            )
         if not self.use_graphs:
             return 0.0
         keys = sorted(

@@ -100,3 +100,14 @@ def test_replaced_weights_rebuild_the_runner(tiny_pair):
         assert ours._runner is not runner and ours._runner.weights_current()
     finally:
         ours.static_cache()
+
+
+def test_warmup_rejects_bad_sizes_and_modes(tiny_pair):
+    ours, _ = tiny_pair
+    assert ours.warmup() == 0.0  # no graphs on the CPU
+    with pytest.raises(ValueError, match="static_cache_len=160"):
+        ours.warmup(cache_lengths=[161])
+    with pytest.raises(ValueError, match="max_batch_size=4"):
+        ours.warmup(batch_sizes=[5])
+    with pytest.raises(ValueError, match="modes"):
+        ours.warmup(modes=("beam",))
