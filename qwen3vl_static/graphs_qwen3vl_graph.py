@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from transformers.utils import logging
+from transformers.utils.logging import tqdm
 
 from .kernels_qwen3vl_graph import decode_ops, fuse_weights, is_fused
 
@@ -255,7 +256,7 @@ class DecodeRunner:
             logger.info(message)
         return graph
 
-    def warmup(self, batch_sizes, cache_lengths, modes, progress=None) -> float:
+    def warmup(self, batch_sizes, cache_lengths, modes) -> float:
         """Capture every (batch bucket, KV bucket, mode) covering these sizes ahead of time; returns seconds."""
         if set(modes) - set(MODES):
             raise ValueError(f"warmup modes must be among {MODES}, got {list(modes)}")
@@ -281,10 +282,10 @@ class DecodeRunner:
         self.attendable.fill_(True)
         self.unfinished.fill_(False)
         began = time.perf_counter()
-        for key in keys:
+        for key in tqdm(keys, desc="Capturing decode graphs"):
             if key not in self.graphs:
                 self.capture(*key)
-            if progress is not None:
-                progress.update(1)
         torch.cuda.synchronize()
-        return time.perf_counter() - began
+        seconds = time.perf_counter() - began
+        logger.info(f"Captured {len(keys)} decode graphs in {seconds:.2f} s")
+        return seconds

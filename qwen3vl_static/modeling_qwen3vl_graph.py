@@ -19,7 +19,6 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLModel
 from transformers.utils import logging
-from transformers.utils.logging import tqdm
 
 from .cache_qwen3vl_graph import ASStaticCache
 from .compat_qwen3vl_graph import CACHE_KWARG, generate_output
@@ -134,14 +133,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         """
         self.static_cache()
         runner = self._runner
-        batch_sizes = batch_sizes or runner.batch_buckets
-        cache_lengths = cache_lengths or runner.cache_buckets
-        total = len(batch_sizes) * len(cache_lengths) * len(modes) if runner.use_graphs else 0
-        with self._generate_lock, torch.no_grad(), tqdm(total=total, desc="Capturing decode graphs", disable=not total) as bar:
-            seconds = runner.warmup(batch_sizes, cache_lengths, modes, progress=bar)
-        if total:
-            logger.info(f"Captured {len(runner.graphs)} decode graphs in {seconds:.2f} s")
-        return seconds
+        with self._generate_lock, torch.no_grad():
+            return runner.warmup(batch_sizes or runner.batch_buckets, cache_lengths or runner.cache_buckets, modes)
 
     def _sample(
         self,
