@@ -24,7 +24,7 @@ from .cache_qwen3vl_graph import ASStaticCache
 from .compat_qwen3vl_graph import CACHE_KWARG, generate_output
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 from .graphs_qwen3vl_graph import MAX_EOS_IDS, DecodeRunner, sample_tokens
-from .vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed
+from .vision_qwen3vl_graph import BlockDiagonalMask, Qwen3VLGraphPatchEmbed, Qwen3VLGraphVisionAttention
 
 logger = logging.get_logger(__name__)
 
@@ -43,10 +43,14 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     def __init__(self, config: Qwen3VLGraphConfig):
         super().__init__(config)
+        # Vision modules with the stock parameters but faster forwards (vision_qwen3vl_graph.py).
         visual = self.model.visual
-        patch_embed = Qwen3VLGraphPatchEmbed(config.vision_config, mode=config.patch_embed_mode)
-        patch_embed.load_state_dict(visual.patch_embed.state_dict(), assign=True)
-        visual.patch_embed = patch_embed
+        visual.patch_embed = _same_weights(
+            Qwen3VLGraphPatchEmbed(config.vision_config, mode=config.patch_embed_mode), visual.patch_embed
+        )
+        mask = BlockDiagonalMask()
+        for block in visual.blocks:
+            block.attn = _same_weights(Qwen3VLGraphVisionAttention(config.vision_config, mask), block.attn)
         if config.allow_tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -234,6 +238,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 self._static_cache,
             )
         return sequences
+
+
+def _same_weights(module: nn.Module, stock: nn.Module) -> nn.Module:
+    """`module` holding the stock module's parameter tensors (no copy)."""
+    module.load_state_dict(stock.state_dict(), assign=True)
+    return module
 
 
 def _device_plan(logits_processor, stopping_criteria, generation_config) -> dict | None:

@@ -111,3 +111,21 @@ def test_warmup_rejects_bad_sizes_and_modes(tiny_pair):
         ours.warmup(batch_sizes=[5])
     with pytest.raises(ValueError, match="modes"):
         ours.warmup(modes=("beam",))
+
+
+def test_vision_tower_matches_stock_with_one_attention_call_per_block(tiny_pair, monkeypatch):
+    ours, stock = tiny_pair
+    model_inputs = build(([[chat("image", "image", "video", "three")]], {"images": [image(64, 64), image(96, 64)],
+                                                                         "video_grids": [(2, 4, 4)]}))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    with torch.no_grad():
+        for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+            calls.clear()
+            got = ours.model.visual(model_inputs[pixels], grid_thw=model_inputs[grid])
+            assert len(calls) == len(ours.model.visual.blocks)  # one call per block, however many segments
+            expected = stock.model.visual(model_inputs[pixels], grid_thw=model_inputs[grid])
+            torch.testing.assert_close(got.pooler_output, expected.pooler_output, rtol=1e-5, atol=1e-5)
+            for ours_features, stock_features in zip(got.deepstack_features, expected.deepstack_features):
+                torch.testing.assert_close(ours_features, stock_features, rtol=1e-5, atol=1e-5)
