@@ -35,6 +35,11 @@ class Qwen3VLGraphPatchEmbed(Qwen3VLVisionPatchEmbed):
         return out.reshape(-1, self.embed_dim)
 
 
+# Above this many patches a block-diagonal mask (length^2 booleans, and attention over all pairs) costs more than
+# the stock per-segment split's host syncs save, e.g. for long videos (one segment per frame).
+MAX_MASKED_LENGTH = 8192
+
+
 class BlockDiagonalMask:
     """The attention mask of one vision forward, shared by its blocks (they all get the same `cu_seqlens`)."""
 
@@ -58,9 +63,10 @@ class Qwen3VLGraphVisionAttention(Qwen3VLVisionAttention):
         self.block_mask = mask
 
     def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
-        if self.config._attn_implementation != "sdpa":  # flash attention is already variable-length
-            return super().forward(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
         length = hidden_states.shape[0]
+        # Flash attention is already variable-length; very long multi-segment inputs keep the stock split.
+        if self.config._attn_implementation != "sdpa" or (cu_seqlens.shape[0] > 2 and length > MAX_MASKED_LENGTH):
+            return super().forward(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
         q, k, v = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
         q, k, v = (states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))

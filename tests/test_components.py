@@ -129,3 +129,19 @@ def test_vision_tower_matches_stock_with_one_attention_call_per_block(tiny_pair,
             torch.testing.assert_close(got.pooler_output, expected.pooler_output, rtol=1e-5, atol=1e-5)
             for ours_features, stock_features in zip(got.deepstack_features, expected.deepstack_features):
                 torch.testing.assert_close(ours_features, stock_features, rtol=1e-5, atol=1e-5)
+
+
+def test_long_multi_segment_vision_input_keeps_the_stock_split(tiny_pair, monkeypatch):
+    from qwen3vl_static import vision_qwen3vl_graph
+
+    ours, stock = tiny_pair
+    model_inputs = build(([[chat("video", "long")]], {"video_grids": [(3, 4, 4)]}))
+    monkeypatch.setattr(vision_qwen3vl_graph, "MAX_MASKED_LENGTH", 16)  # 48 patches in 3 segments: "long"
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    with torch.no_grad():
+        got = ours.model.visual(model_inputs["pixel_values_videos"], grid_thw=model_inputs["video_grid_thw"])
+        expected = stock.model.visual(model_inputs["pixel_values_videos"], grid_thw=model_inputs["video_grid_thw"])
+    assert len(calls) == 2 * 3 * len(ours.model.visual.blocks)  # per segment, in both models
+    torch.testing.assert_close(got.pooler_output, expected.pooler_output, rtol=1e-5, atol=1e-5)
