@@ -1,8 +1,8 @@
 """ASStaticCache: the one persistent KV cache of a model.
 
-Allocated once for `max_batch_size` rows x `static_cache_len` slots, so the tensor addresses that CUDA graphs bake
-in never change. A request activates the rows and slots it needs as views of the same storage; `reset()` only rewinds the
-write position, because no path ever reads a slot that the current request has not written.
+Allocated once for `max_batch_size` rows x `static_cache_len` slots, so the tensor addresses that CUDA graphs
+bake in never change. A request activates the rows and slots it needs as views of the same storage; `reset()`
+only rewinds the write position, because no path ever reads a slot that the current request has not written.
 """
 
 import torch

@@ -109,6 +109,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             return "prefill_chunk_size"
         if generation_config.is_assistant:
             return "use as an assistant model"
+        if model_kwargs.get("inputs_embeds") is not None:
+            return "inputs_embeds"
         if self.config.get_text_config(decoder=True)._attn_implementation not in _STEP_ATTENTION:
             return f"attn_implementation={self.config._attn_implementation!r}"
         return None

@@ -186,3 +186,11 @@ def test_beam_search_falls_back_with_one_warning(tiny_pair, caplog):
 def test_no_automatic_compile(tiny_pair):
     ours, _ = tiny_pair
     assert ours._valid_auto_compile_criteria({"past_key_values": ours.static_cache()}, ours.generation_config) is False
+
+
+def test_inputs_embeds_run_the_stock_loop(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build((TEXT, {}))
+    embeds = stock.get_input_embeddings()(model_inputs["input_ids"])
+    kwargs = dict(inputs_embeds=embeds, attention_mask=model_inputs["attention_mask"], max_new_tokens=6, do_sample=False)
+    assert ours.generate(**kwargs).tolist() == stock.generate(**kwargs).tolist()
