@@ -2,11 +2,14 @@
 
 Allocated once for `max_batch_size` rows x `static_cache_len` slots, so the tensor addresses that CUDA graphs
 bake in never change. A request activates the rows and slots it needs as views of the same storage; `reset()`
-only rewinds the write position, because no path ever reads a slot that the current request has not written.
+rewinds the write position (on transformers 4.57 it zeroes the request's slots, by which that version counts
+the filled length): no path ever reads a slot that the current request has not written.
 """
 
 import torch
 from transformers.cache_utils import StaticCache
+
+from .compat_qwen3vl_graph import allocate_layer, record_length, rewind_layer
 
 
 class ASStaticCache(StaticCache):
@@ -15,9 +18,9 @@ class ASStaticCache(StaticCache):
         text_config = config.get_text_config(decoder=True)
         kv_heads = text_config.num_key_value_heads
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        probe = torch.empty(max_batch_size, kv_heads, 0, head_dim, device=device, dtype=dtype)
+        shape = torch.empty(max_batch_size, kv_heads, 0, head_dim, device=device, dtype=dtype)
         for layer in self.layers:
-            layer.lazy_initialization(probe, probe)  # the stock allocation, once, at full size
+            allocate_layer(layer, shape)  # the stock allocation, once, at full size
         self.rows = max_batch_size
         self.capacity = static_cache_len
         self.full_keys = [layer.keys for layer in self.layers]
@@ -50,9 +53,9 @@ class ASStaticCache(StaticCache):
 
     def reset(self) -> None:
         for layer in self.layers:
-            layer.cumulative_length.zero_()
+            rewind_layer(layer)
 
     def set_length(self, length: int) -> None:
         """Record that `length` slots are filled (after a decode loop that wrote the cache directly)."""
         for layer in self.layers:
-            layer.cumulative_length.fill_(length)
+            record_length(layer, length)

@@ -1,25 +1,92 @@
-"""The one place that knows how transformers releases differ for this package.
+"""The one place that knows how transformers releases differ for this package (4.57 and 5.17 - 5.24).
 
-Everything else asks this module instead of testing versions: 5.24 renamed the cache keyword from
-`past_key_values` to `cache` (forward arguments, generate's model kwargs and its output), and
-`AutoModelForVision2Seq` exists only up to 4.57.
+Everything else asks this module instead of testing versions:
+- 5.x: the static cache advances its own write position (`cumulative_length`), `generate` computes the
+  M-RoPE position ids before prefill and has a `_prefill` step; 5.24 renamed the cache keyword from
+  `past_key_values` to `cache` (forward arguments, generate's model kwargs and its output).
+- 4.57: writes go to an explicit `cache_position`, the cache's length is the count of non-zero slots, the
+  model computes M-RoPE positions inside its forward (keeping `rope_deltas`), there is no `mm_token_type_ids`
+  input, and `AutoModelForVision2Seq` still exists.
 """
 
 import dataclasses
 import inspect
 
+import torch
 import transformers
+from transformers.cache_utils import StaticLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
 
+_FORWARD_ARGS = inspect.signature(Qwen3VLForConditionalGeneration.forward).parameters
+
 # Keyword under which generate() hands the KV cache to forward() and keeps it in its model kwargs.
-CACHE_KWARG = "cache" if "cache" in inspect.signature(Qwen3VLForConditionalGeneration.forward).parameters else "past_key_values"
+CACHE_KWARG = "cache" if "cache" in _FORWARD_ARGS else "past_key_values"
+
+# Whether the model takes the processor's modality ids (5.x) or finds images and videos by token id (4.57).
+TAKES_MM_TOKEN_TYPE_IDS = "mm_token_type_ids" in _FORWARD_ARGS
+
+# Whether the cache tracks its own write position (5.x) or is told one (`cache_position`, 4.57).
+_CACHE_COUNTS_ITSELF = hasattr(StaticLayer(max_cache_len=1), "cumulative_length")
 
 # Field of GenerateDecoderOnlyOutput that returns the cache.
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 # Auto classes the package registers with / names in `auto_map` (Vision2Seq for transformers <= 4.57 users).
 AUTO_MODEL_FOR_VISION2SEQ = getattr(transformers, "AutoModelForVision2Seq", None)
+
+
+def allocate_layer(layer, keys_and_values_shape: torch.Tensor) -> None:
+    """The stock allocation of one static layer, from a zero-length tensor of the full (rows, heads, 0, dim) shape."""
+    if _CACHE_COUNTS_ITSELF:
+        layer.lazy_initialization(keys_and_values_shape, keys_and_values_shape)
+    else:
+        layer.lazy_initialization(keys_and_values_shape)
+
+
+def rewind_layer(layer) -> None:
+    """Make an activated layer empty for a new request (its `keys`/`values` are the request's views)."""
+    if _CACHE_COUNTS_ITSELF:
+        layer.cumulative_length.zero_()
+    else:  # 4.57 measures the filled length as the count of non-zero slots, so the request's slots are zeroed
+        layer.keys.zero_()
+        layer.values.zero_()
+
+
+def record_length(layer, length: int) -> None:
+    """Tell the layer that `length` slots are filled after a decode loop that wrote them directly."""
+    if _CACHE_COUNTS_ITSELF:
+        layer.cumulative_length.fill_(length)
+
+
+def prefill(model, input_ids, generation_config, model_kwargs):
+    """The stock prefill forward of `generate`: the prompt (and its images/videos) into the cache."""
+    if hasattr(model, "_prefill"):
+        return model._prefill(input_ids, generation_config, model_kwargs)
+    model_kwargs = model._get_initial_cache_position(input_ids.shape[1], input_ids.device, model_kwargs)
+    return model(**model.prepare_inputs_for_generation(input_ids, **model_kwargs), return_dict=True)
+
+
+def first_decode_positions(model, model_kwargs, prompt_len: int) -> torch.Tensor:
+    """M-RoPE T/H/W positions `(3, B, 1)` of the first generated token, after prefill."""
+    if model_kwargs.get("position_ids") is not None:  # 5.x: computed by generate, `(4, B, S)`
+        return model_kwargs["position_ids"][1:, :, -1:] + 1
+    # 4.57: the forward kept the per-row offset of the prompt's positions from plain token indices.
+    rope_deltas = model.model.rope_deltas
+    return (prompt_len + rope_deltas.view(1, -1, 1)).expand(3, -1, -1)
+
+
+def portable_config_dict(config_dict: dict) -> dict:
+    """A saved config that the stock class of every supported release can read.
+
+    4.57 names the vision sub-config's type "qwen3_vl", and its `from_pretrained` answers a top-level type it
+    does not know by loading the sub-config of its own type, i.e. the vision config as the whole model's
+    config. The vision sub-config is saved under 5.x's name for it, which both releases accept.
+    """
+    vision = config_dict.get("vision_config")
+    if isinstance(vision, dict) and vision.get("model_type") == "qwen3_vl":
+        config_dict["vision_config"] = {**vision, "model_type": "qwen3_vl_vision"}
+    return config_dict
 
 
 def generate_output(sequences, scores, logits, cache) -> GenerateDecoderOnlyOutput:

@@ -6,6 +6,8 @@ package can never load silently into the stock class when `trust_remote_code=Tru
 
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 
+from .compat_qwen3vl_graph import portable_config_dict
+
 PATCH_EMBED_MODES = ("gemm", "conv3d", "channels_last_3d")
 
 
@@ -57,12 +59,18 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     allow_tf32: bool = False
     cudnn_benchmark: bool = False
 
-    def __post_init__(self, **kwargs):
+    def __post_init__(self, **kwargs):  # transformers 5.x; on 4.57 the model calls `validate_graph_settings`
         super().__post_init__(**kwargs)
+        self.validate_graph_settings()
+
+    def validate_graph_settings(self) -> None:
         if self.patch_embed_mode not in PATCH_EMBED_MODES:
             raise ValueError(f"patch_embed_mode must be one of {PATCH_EMBED_MODES}, got {self.patch_embed_mode!r}")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be at least 1, got {self.steps_per_sync}")
+
+    def to_dict(self) -> dict:
+        return portable_config_dict(super().to_dict())
 
     # Buckets are derived when used, not stored: `from_pretrained(..., static_cache_len=N)` sets fields after
     # `__post_init__`, and a stored default would then be stale.

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
-from .kernels_qwen3vl_graph import decode_ops, fuse_weights, is_fused
+from .kernels_qwen3vl_graph import fuse_weights, is_fused
 
 logger = logging.get_logger(__name__)
 
@@ -49,7 +49,7 @@ def sample_tokens(logits, temperature, top_k, top_p):
 
 
 class DecodeRunner:
-    def __init__(self, model, cache, batch_buckets, cache_buckets, steps_per_sync: int, use_graphs: bool, use_triton: bool):
+    def __init__(self, model, cache, ops, batch_buckets, cache_buckets, steps_per_sync: int, use_graphs: bool):
         self.model = model
         self.cache = cache
         self.batch_buckets = batch_buckets
@@ -57,7 +57,7 @@ class DecodeRunner:
         rows, slots = cache.rows, cache.capacity
         device = cache.full_keys[0].device
         self.use_graphs = use_graphs and device.type == "cuda"
-        self.ops = decode_ops(device, cache.full_keys[0].dtype, use_triton)
+        self.ops = ops  # TorchDecodeOps or TritonDecodeOps (kernels_qwen3vl_graph.py)
         vocab = model.lm_head.out_features
 
         def zeros(*shape, dtype=torch.long):
@@ -123,13 +123,14 @@ class DecodeRunner:
 
     # -- request state -------------------------------------------------------------------------------------
 
-    def start(self, position_ids, attention_mask, prompt_len: int) -> None:
-        """Load the state after prefill: the prompt's M-RoPE positions `(4, b, S)` and its 2D padding mask."""
-        batch = position_ids.shape[1]
+    def start(self, positions, attention_mask, prompt_len: int) -> None:
+        """Load the state after prefill: the first generated token's M-RoPE positions `(3, b, 1)` and the prompt's
+        2D padding mask."""
+        batch = positions.shape[1]
         self.batch_size, self.length = batch, prompt_len
         self.input_ids.zero_()
         self.positions.zero_()
-        self.positions[:, :batch] = position_ids[1:, :, -1:] + 1  # T/H/W rows of the first generated token
+        self.positions[:, :batch] = positions
         self.cache_lens.zero_()
         self.cache_lens[:batch] = prompt_len
         self.attendable.fill_(True)

@@ -21,9 +21,10 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditional
 from transformers.utils import logging
 
 from .cache_qwen3vl_graph import ASStaticCache
-from .compat_qwen3vl_graph import CACHE_KWARG, generate_output
+from .compat_qwen3vl_graph import CACHE_KWARG, first_decode_positions, generate_output, prefill
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 from .graphs_qwen3vl_graph import MAX_EOS_IDS, DecodeRunner, sample_tokens
+from .kernels_qwen3vl_graph import decode_ops
 from .vision_qwen3vl_graph import BlockDiagonalMask, Qwen3VLGraphPatchEmbed, Qwen3VLGraphVisionAttention
 
 logger = logging.get_logger(__name__)
@@ -42,6 +43,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
     config: Qwen3VLGraphConfig
 
     def __init__(self, config: Qwen3VLGraphConfig):
+        config.validate_graph_settings()
         super().__init__(config)
         # Vision modules with the stock parameters but faster forwards (vision_qwen3vl_graph.py).
         visual = self.model.visual
@@ -87,9 +89,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 self.config, self.config.max_batch_size, self.config.static_cache_len, weight.device, weight.dtype
             )
             self._static_cache = cache
+            ops = decode_ops(weight.device, weight.dtype, self.config.use_triton_kernels)
             self._runner = DecodeRunner(
-                self, cache, self.config.batch_buckets(), self.config.cache_buckets(),
-                self.config.steps_per_sync, self.config.use_cuda_graphs, self.config.use_triton_kernels,
+                self, cache, ops, self.config.batch_buckets(), self.config.cache_buckets(),
+                self.config.steps_per_sync, self.config.use_cuda_graphs,
             )
         return cache
 
@@ -157,12 +160,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
         runner = self._runner
-        position_ids = model_kwargs["position_ids"]  # (4, B, S) from stock input preparation
         attention_mask = model_kwargs.get("attention_mask")
-        outputs = self._prefill(input_ids, generation_config, model_kwargs)
+        outputs = prefill(self, input_ids, generation_config, model_kwargs)
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
         del outputs
-        runner.start(position_ids, attention_mask, input_ids.shape[1])
+        positions = first_decode_positions(self, model_kwargs, input_ids.shape[1])
+        runner.start(positions, attention_mask, input_ids.shape[1])
         plan = _device_plan(logits_processor, stopping_criteria, generation_config)
         if plan is None:
             return self._host_loop(input_ids, logits, logits_processor, stopping_criteria, generation_config, streamer)

@@ -7,6 +7,7 @@ benchmarks with random weights of the exact shapes; the tiny config and processo
 import json
 from pathlib import Path
 
+from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 
 REAL_2B_DIR = Path(__file__).with_name("assets") / "qwen3-vl-2b"
@@ -60,12 +61,9 @@ def tiny_config_dict() -> dict:
             "num_key_value_heads": 2,
             "head_dim": 16,
             "max_position_embeddings": 4096,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [4, 2, 2],
-                "mrope_interleaved": True,
-            },
+            # The Hub checkpoints' spelling, which every supported transformers reads.
+            "rope_theta": 10000.0,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True},
             "tie_word_embeddings": True,
             "bos_token_id": TINY_IDS["<|endoftext|>"],
             "eos_token_id": TINY_IDS["<|im_end|>"],
@@ -130,7 +128,8 @@ def tiny_inputs(conversations, images=(), video_grids=(), tokenizer=None, image_
     `conversations`: one chat (a list of messages with `{"type": "image" | "video" | "text"}` parts) per row.
     `images`: PIL images in order of appearance. `video_grids`: one `(frames, h, w)` patch grid per video in
     order of appearance (`frames` counted after temporal merging); videos get random pixels. Rows are left
-    padded. Returns `input_ids`, `attention_mask`, `mm_token_type_ids` and the pixel inputs.
+    padded. Returns `input_ids`, `attention_mask`, the pixel inputs and, where the installed transformers takes
+    them, `mm_token_type_ids`.
     """
     import torch
 
@@ -176,5 +175,7 @@ def tiny_inputs(conversations, images=(), video_grids=(), tokenizer=None, image_
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
     attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
-    mm_token_type_ids = (input_ids == TINY_IDS["<|image_pad|>"]).int() + 2 * (input_ids == TINY_IDS["<|video_pad|>"]).int()
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": mm_token_type_ids, **batch}
+    if TAKES_MM_TOKEN_TYPE_IDS:  # what the installed processor returns with return_mm_token_type_ids=True
+        image, video = input_ids == TINY_IDS["<|image_pad|>"], input_ids == TINY_IDS["<|video_pad|>"]
+        batch["mm_token_type_ids"] = image.int() + 2 * video.int()
+    return {"input_ids": input_ids, "attention_mask": attention_mask, **batch}

@@ -62,11 +62,11 @@ class Qwen3VLGraphVisionAttention(Qwen3VLVisionAttention):
         super().__init__(config)
         self.block_mask = mask
 
-    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, max_seqlen=None, **kwargs):
+    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
         length = hidden_states.shape[0]
         # Flash attention is already variable-length; very long multi-segment inputs keep the stock split.
         if self.config._attn_implementation != "sdpa" or (cu_seqlens.shape[0] > 2 and length > MAX_MASKED_LENGTH):
-            return super().forward(hidden_states, cu_seqlens, position_embeddings, max_seqlen, **kwargs)
+            return super().forward(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
         q, k, v = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
         q, k, v = (states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import Qwen3VLForConditionalGeneration
 
 import qwen3vl_static
 from conftest import AUTO_MAP, assert_clean, chat, image, save_stock_checkpoint
 from qwen3vl_static import Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.cli import main
+from qwen3vl_static.compat_qwen3vl_graph import portable_config_dict
 from qwen3vl_static.convert import convert, hub_module_files
 from qwen3vl_static.presets import tiny_inputs
 
@@ -42,11 +44,12 @@ sys.meta_path.insert(0, HidePackage())
 
 LOAD_AND_GENERATE = HIDE_PACKAGE + """
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText
+import transformers
+from transformers import AutoConfig
 
-where, prompt, result = sys.argv[1:]
+where, prompt, result, auto_class = sys.argv[1:]
 config = AutoConfig.from_pretrained(where, trust_remote_code=True)
-model = AutoModelForImageTextToText.from_pretrained(where, trust_remote_code=True)
+model = getattr(transformers, auto_class).from_pretrained(where, trust_remote_code=True)
 tokens = model.generate(**torch.load(prompt), do_sample=False, max_new_tokens=12)
 torch.save({
     "model_type": config.model_type,
@@ -129,8 +132,8 @@ def expected_tokens(src, prompt):
     return stock.generate(**torch.load(prompt), do_sample=False, max_new_tokens=12)
 
 
-def assert_loads_and_generates_like_stock(where, prompt, expected_tokens, tmp_path, **env):
-    result = run_child(LOAD_AND_GENERATE, [where, prompt, tmp_path / "result.pt"], tmp_path, **env)
+def assert_loads_and_generates_like_stock(where, prompt, expected_tokens, tmp_path, auto_class="AutoModelForImageTextToText", **env):
+    result = run_child(LOAD_AND_GENERATE, [where, prompt, tmp_path / "result.pt", auto_class], tmp_path, **env)
     assert result.returncode == 0, result.stderr
     got = torch.load(tmp_path / "result.pt")
     assert not got["package_imported"]
@@ -152,7 +155,7 @@ def test_convert_writes_a_custom_code_repo(src, dst):
     assert config["model_type"] == "qwen3_vl_graph"
     assert config["architectures"] == ["Qwen3VLGraphForConditionalGeneration"]
     assert config["auto_map"] == AUTO_MAP
-    stock = json.loads((src / "config.json").read_text())
+    stock = portable_config_dict(json.loads((src / "config.json").read_text()))
     for key in stock.keys() - {"model_type", "architectures", "transformers_version"}:
         assert config[key] == stock[key], key
 
@@ -166,8 +169,12 @@ def test_convert_writes_a_custom_code_repo(src, dst):
     assert "bench/results" in readme
 
 
-def test_folder_loads_without_the_package(dst, prompt, expected_tokens, tmp_path):
-    assert_loads_and_generates_like_stock(dst, prompt, expected_tokens, tmp_path)
+# AutoModelForVision2Seq exists on transformers <= 4.57 only; converted repos name it for those users.
+@pytest.mark.parametrize("auto_class", ["AutoModelForImageTextToText", "AutoModelForVision2Seq"])
+def test_folder_loads_without_the_package(dst, prompt, expected_tokens, tmp_path, auto_class):
+    if not hasattr(transformers, auto_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {auto_class}")
+    assert_loads_and_generates_like_stock(dst, prompt, expected_tokens, tmp_path, auto_class)
 
 
 def test_repo_id_loads_from_offline_hub_cache(dst, prompt, expected_tokens, tmp_path):
