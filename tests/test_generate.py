@@ -198,3 +198,22 @@ def test_inputs_embeds_run_the_stock_loop(tiny_pair):
     embeds = stock.get_input_embeddings()(model_inputs["input_ids"])
     kwargs = dict(inputs_embeds=embeds, attention_mask=model_inputs["attention_mask"], max_new_tokens=6, do_sample=False)
     assert ours.generate(**kwargs).tolist() == stock.generate(**kwargs).tolist()
+
+
+@pytest.mark.parametrize("steps_per_sync", [1, 3])
+def test_chunked_device_loop_stops_like_stock(tiny_pair, steps_per_sync):
+    """Chunk boundaries anywhere relative to the EOS steps: the device loop still stops and pads like stock."""
+    ours, stock = tiny_pair
+    model_inputs = build(MIXED_BATCH)
+    free_run = stock.generate(**model_inputs, max_new_tokens=20, do_sample=False)
+    generated = free_run[:, model_inputs["input_ids"].shape[1]:]
+    eos = [int(generated[0, 4]), int(generated[1, 9]), int(generated[2, 6])]
+    ours.static_cache()
+    runner = ours._runner
+    default = runner.steps_per_sync
+    runner.steps_per_sync = steps_per_sync  # fewer columns of the same output buffers
+    try:
+        got, expected = assert_same_generate(ours, stock, model_inputs, max_new_tokens=20, do_sample=False, eos_token_id=eos)
+    finally:
+        runner.steps_per_sync = default
+    assert expected.shape[1] < free_run.shape[1] and used_static_loop(ours)
