@@ -9,6 +9,7 @@ import inspect
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import transformers
@@ -17,10 +18,8 @@ from huggingface_hub.repocard import metadata_load
 from huggingface_hub.utils import tqdm
 from transformers.dynamic_module_utils import get_relative_import_files
 
-import qwen3vl_static
-from qwen3vl_static import modeling_qwen3vl_graph
-from qwen3vl_static.configuration_qwen3vl_graph import Qwen3VLGraphConfig
-from qwen3vl_static.modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration, auto_map
+from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
+from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration, auto_map
 
 SOURCE_MODEL_TYPES = ("qwen3_vl", Qwen3VLGraphConfig.model_type)
 # Files of SRC that the conversion writes anew.
@@ -32,7 +31,7 @@ def hub_module_files() -> list[Path]:
 
     The same rule as `save_pretrained` (transformers' `custom_object_save`), so both write the same files.
     """
-    modeling = Path(modeling_qwen3vl_graph.__file__)
+    modeling = Path(inspect.getfile(Qwen3VLGraphForConditionalGeneration))
     return [modeling, *map(Path, get_relative_import_files(modeling))]
 
 
@@ -190,7 +189,7 @@ def _model_card(config: Qwen3VLGraphConfig, hub_id: str | None, src_dir: Path, r
         source=source,
         repo=repo,
         fields=fields,
-        version=qwen3vl_static.__version__,
+        version=sys.modules[__package__].__version__,  # the package's own version (its __init__)
         transformers=transformers.__version__,
     )
 
