@@ -181,8 +181,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             tokens = logits.argmax(dim=-1)
         else:  # the first token comes from the prefill logits, drawn with the same sampler eagerly
             tokens = sample_tokens(logits, runner.temperature[:batch], runner.top_k[:batch], runner.top_p[:batch])
-        eos_ids = torch.tensor(plan["eos_ids"], dtype=torch.long, device=tokens.device)
-        unfinished = ~torch.isin(tokens, eos_ids)
+        unfinished = ~(tokens[:, None] == runner.eos_ids).any(dim=-1)  # the in-graph rule, on the first token
         runner.unfinished[:batch] = unfinished
         sequences = [input_ids.cpu(), tokens[:, None].cpu()]
         if streamer is not None:
@@ -201,7 +200,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             remaining -= keep
             if keep < steps:
                 break
-        return self._finish(torch.cat(sequences, dim=1).to(input_ids.device), (), (), generation_config, streamer)
+        return self._finish(torch.cat(sequences, dim=1).to(input_ids.device), None, None, generation_config, streamer)
 
     def _host_loop(self, input_ids, logits, logits_processor, stopping_criteria, generation_config, streamer):
         """Transformers' `_sample` loop body with the runner's (graph-replayed) step as the forward."""
