@@ -10,5 +10,5 @@ out=${OUT:-bench/results}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site457 .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site457:$PWD PYTHONUNBUFFERED=1
-python3 -c "import transformers; print('transformers', transformers.__version__)" | tee "$out/transformers457.txt"
-python3 -m pytest tests/test_cuda.py tests/test_kernels.py -q -s -p no:cacheprovider 2>&1 | tee "$out/cuda-tests-transformers457.log"
+python3 -c "import transformers; print('transformers', transformers.__version__)" | tee "$out/transformers457.log"
+python3 -m pytest tests/test_cuda.py tests/test_kernels.py -q -s -p no:cacheprovider 2>&1 | tee -a "$out/transformers457.log"

@@ -10,6 +10,7 @@ import json
 import platform
 import sys
 import time
+from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
@@ -48,23 +49,24 @@ def text_prompt(config, batch, length, device, generator):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def image_prompt(config, device, generator, side=448, question=30):
-    """One side x side image + a `question`-token text, laid out as Qwen3VLProcessor lays it out."""
+def image_prompt(config, device, generator, sides=(448,), question=30):
+    """Square images of these sides + a `question`-token text, laid out as Qwen3VLProcessor lays them out."""
     vision = config.vision_config
-    grid = side // vision.patch_size
-    tokens = grid * grid // vision.spatial_merge_size**2
-    text = torch.randint(0, 150000, (question,), generator=generator)
-    ids = torch.cat([
-        torch.tensor([config.vision_start_token_id]), torch.full((tokens,), config.image_token_id),
-        torch.tensor([config.vision_end_token_id]), text,
-    ])[None]
+    grids = [side // vision.patch_size for side in sides]
+    parts = []
+    for grid in grids:
+        tokens = grid * grid // vision.spatial_merge_size**2
+        parts += [torch.tensor([config.vision_start_token_id]), torch.full((tokens,), config.image_token_id),
+                  torch.tensor([config.vision_end_token_id])]
+    ids = torch.cat(parts + [torch.randint(0, 150000, (question,), generator=generator)])[None]
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    patches = sum(grid * grid for grid in grids)
     return {
         "input_ids": ids.to(device),
         "attention_mask": torch.ones_like(ids).to(device),
         "mm_token_type_ids": (ids == config.image_token_id).int().to(device),
-        "pixel_values": torch.randn(grid * grid, patch_dim, generator=generator).to(device),
-        "image_grid_thw": torch.tensor([[1, grid, grid]], device=device),
+        "pixel_values": torch.randn(patches, patch_dim, generator=generator).to(device),
+        "image_grid_thw": torch.tensor([[1, grid, grid] for grid in grids], device=device),
     }
 
 
@@ -94,6 +96,73 @@ def measure(system, model, prompts, image, **kwargs):
     image_out, e2e = timed_generate(model, image, 128, **kwargs)
     rows.append({"system": system, "batch_size": 1, "context_tokens": image["input_ids"].shape[1],
                  "new_tokens": 128, "ttft_ms": 1000 * ttft, "e2e_tokens_per_s": 128 / e2e, "tokens": image_out})
+    return rows
+
+
+def best_ms(call, repeats=5) -> float:
+    """Fastest of `repeats` synchronized runs of `call()`, after one untimed run (captures, caches)."""
+    call()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return 1000 * min(times)
+
+
+@contextmanager
+def stage_times(model):
+    """Synchronized wall time of the vision tower, the M-RoPE index and the prefill inside `generate` calls."""
+    spans = {}
+    stages = {"vision_ms": (model.model.visual.runner, "encode"), "prefill_ms": (model._prefill_runner, "run"),
+              "rope_index_ms": (model.model, "get_rope_index")}
+    for name, (owner, attribute) in stages.items():
+        def timed(*args, _call=getattr(owner, attribute), _name=name, **kwargs):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            result = _call(*args, **kwargs)
+            torch.cuda.synchronize()
+            spans[_name] = spans.get(_name, 0.0) + 1000 * (time.perf_counter() - began)
+            return result
+
+        setattr(owner, attribute, timed)  # an instance attribute over the method, removed below
+    try:
+        yield spans
+    finally:
+        for owner, attribute in stages.values():
+            delattr(owner, attribute)
+
+
+def ttft_breakdown(ours, stock, prompts) -> list:
+    """Per image prompt: TTFT (`max_new_tokens=1`) of ours and stock, and where ours spends it; the vision tower
+    alone for ours (graphs; eager at exact size; Conv3d patch embedding) and stock."""
+    rows = []
+    runner = ours.model.visual.runner
+    for name, prompt in prompts.items():
+        pixels, grid = prompt["pixel_values"].to(torch.bfloat16), prompt["image_grid_thw"]
+        row = {"image": name, "patches": pixels.shape[0], "prompt_tokens": prompt["input_ids"].shape[1],
+               "vision_bucket": runner.bucket(pixels.shape[0]),
+               "prefill_bucket": ours._prefill_runner.bucket(1, prompt["input_ids"].shape[1])}
+        row["ttft_ms"] = best_ms(lambda: timed_generate(ours, prompt, 1))
+        with stage_times(ours) as spans:
+            instrumented = best_ms(lambda: timed_generate(ours, prompt, 1), repeats=1)
+        spans = {key: value / 2 for key, value in spans.items()}  # best_ms made two calls
+        row.update(spans)
+        row["other_ms"] = instrumented - sum(spans.values())  # generate's own host work, first token, syncs
+        with torch.no_grad():
+            row["vision_tower_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
+            runner.bucketed = False
+            row["vision_tower_eager_exact_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
+            runner.bucketed = True
+            ours.model.visual.patch_embed.mode, saved = "conv3d", runner.graphs
+            runner.graphs = {}
+            row["vision_tower_conv3d_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
+            ours.model.visual.patch_embed.mode, runner.graphs = "gemm", saved
+            row["stock_vision_tower_ms"] = best_ms(lambda: stock.model.visual(pixels, grid_thw=grid), repeats=3)
+        row["stock_ttft_ms"] = best_ms(lambda: timed_generate(stock, prompt, 1), repeats=3)
+        rows.append(row)
     return rows
 
 
@@ -131,6 +200,8 @@ def run(args) -> dict:
     generator = torch.Generator().manual_seed(0)
     prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in args.batch_sizes}
     image = image_prompt(ours.config, device, generator)
+    ttft_prompts = {"448x448": image, "1024x1024": image_prompt(ours.config, device, generator, sides=(1024,)),
+                    "4 x 448x448": image_prompt(ours.config, device, generator, sides=(448,) * 4)}
 
     torch.cuda.empty_cache()  # capture empties the cache too; measure the pool against the same baseline
     reserved = torch.cuda.memory_reserved()
@@ -146,6 +217,7 @@ def run(args) -> dict:
     cache_gb = sum(t.numel() * t.element_size() for t in ours._static_cache.full_keys + ours._static_cache.full_values) / 2**30
     buffers_gb = ours._runner.buffer_bytes() / 2**30
     breakdown = kernel_breakdown(ours)
+    ttft = ttft_breakdown(ours, stock, ttft_prompts)
 
     systems = [("hf_eager", {})]
     if args.with_compile:
@@ -167,9 +239,9 @@ def run(args) -> dict:
         row["tokens_match_reference"] = bool(torch.equal(row["tokens"], ref))
         row["first_divergence"] = None if row["tokens_match_reference"] else int(
             (row["tokens"] != ref).any(0).nonzero()[0])
-    ours._runner.use_graphs = False
+    ours.set_cuda_graphs(False)
     eager_static = measure_tokens(ours, prompts, image)
-    ours._runner.use_graphs = True
+    ours.set_cuda_graphs(True)
     graph_equals_eager_static = all(
         torch.equal(r["tokens"], eager_static[(r["batch_size"], r["new_tokens"])]) for r in results if r["system"] == "ours")
     for row in results:
@@ -181,13 +253,15 @@ def run(args) -> dict:
         "python": platform.python_version(),
         "date": date.today().isoformat(),
         "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]),
-        "graphs_captured": len(ours._runner.graphs),
+        "graphs_captured": {"decode": len(ours._runner.graphs), "prefill": len(ours._prefill_runner.graphs),
+                            "vision": len(ours.model.visual.runner.graphs)},
         "decode_ops": ours._runner.ops.__name__,
         "kv_cache_gb": cache_gb,
         "static_buffers_gb": buffers_gb,
         "graph_pool_reserved_gb_after_warmup": graph_pool_gb,
         "graph_equals_eager_static_path": graph_equals_eager_static,
         "decode_profile_batch1": breakdown,
+        "ttft_breakdown": ttft,
         "results": results,
     }
 
@@ -205,6 +279,7 @@ def report(summary, out_dir: Path) -> Path:
     for row in summary["results"]:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns))
     print("decode profile (batch 1):", json.dumps(summary["decode_profile_batch1"], indent=1))
+    print("time to first token:", json.dumps(summary["ttft_breakdown"], indent=1))
     print(f"kv cache {summary['kv_cache_gb']:.3f} GB, static buffers {summary['static_buffers_gb']:.3f} GB, "
           f"graph pool after warmup {summary['graph_pool_reserved_gb_after_warmup']:.3f} GB")
     print("graph == eager static path:", summary["graph_equals_eager_static_path"])

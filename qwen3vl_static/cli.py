@@ -78,7 +78,7 @@ def _demo(args) -> int:
         model, stock = build_models(device, torch.bfloat16)
         inputs = image_prompt(model.config, device, torch.Generator().manual_seed(0))
         print("model: real Qwen3-VL-2B shapes, random bf16 weights;", f"prompt: {inputs['input_ids'].shape[1]} tokens")
-        print(f"captured decode graphs in {model.warmup(batch_sizes=[1], modes=('greedy',)):.2f} s")
+        print(f"captured CUDA graphs in {model.warmup(batch_sizes=[1], modes=('greedy',)):.2f} s")
         decode = None
     else:
         torch.manual_seed(0)

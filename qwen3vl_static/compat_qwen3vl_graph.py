@@ -6,7 +6,8 @@ Everything else asks this module instead of testing versions:
   `past_key_values` to `cache` (forward arguments, generate's model kwargs and its output).
 - 4.57: writes go to an explicit `cache_position`, the cache's length is the count of non-zero slots, the
   model computes M-RoPE positions inside its forward (keeping `rope_deltas`), there is no `mm_token_type_ids`
-  input, and `AutoModelForVision2Seq` still exists.
+  input, the vision tower builds its position tables with its own methods, and `AutoModelForVision2Seq` still
+  exists.
 """
 
 import dataclasses
@@ -16,6 +17,7 @@ import torch
 import transformers
 from transformers.cache_utils import StaticLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.models.qwen3_vl import modeling_qwen3_vl
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
 
 _FORWARD_ARGS = inspect.signature(Qwen3VLForConditionalGeneration.forward).parameters
@@ -59,12 +61,15 @@ def record_length(layer, length: int) -> None:
         layer.cumulative_length.fill_(length)
 
 
-def prefill(model, input_ids, generation_config, model_kwargs):
-    """The stock prefill forward of `generate`: the prompt (and its images/videos) into the cache."""
-    if hasattr(model, "_prefill"):
-        return model._prefill(input_ids, generation_config, model_kwargs)
-    model_kwargs = model._get_initial_cache_position(input_ids.shape[1], input_ids.device, model_kwargs)
-    return model(**model.prepare_inputs_for_generation(input_ids, **model_kwargs), return_dict=True)
+def prompt_positions(model, input_ids, model_kwargs) -> torch.Tensor:
+    """M-RoPE T/H/W positions `(3, B, S)` of the prompt, as the stock prefill would use them."""
+    if model_kwargs.get("position_ids") is not None:  # 5.x: computed by generate, `(4, B, S)` with text first
+        return model_kwargs["position_ids"][1:]
+    # 4.57: the stock forward computes them in prefill and keeps the per-row offset for the decode steps.
+    positions, model.model.rope_deltas = model.model.get_rope_index(
+        input_ids, model_kwargs.get("image_grid_thw"), model_kwargs.get("video_grid_thw"), model_kwargs.get("attention_mask")
+    )
+    return positions
 
 
 def first_decode_positions(model, model_kwargs, prompt_len: int) -> torch.Tensor:
@@ -74,6 +79,58 @@ def first_decode_positions(model, model_kwargs, prompt_len: int) -> torch.Tensor
     # 4.57: the forward kept the per-row offset of the prompt's positions from plain token indices.
     rope_deltas = model.model.rope_deltas
     return (prompt_len + rope_deltas.view(1, -1, 1)).expand(3, -1, -1)
+
+
+def vision_tables(visual, grid_thw: torch.Tensor):
+    """The vision tower's per-patch tables for the images of `grid_thw` `(n, 3)`: the interpolated learned
+    position embeddings (added after the patch embedding, in the tower's dtype) and the rotary cos/sin."""
+    dtype = visual.patch_embed.proj.weight.dtype
+    if hasattr(visual, "fast_pos_embed_interpolate"):  # 4.57
+        rotary = visual.rot_pos_emb(grid_thw)
+        rotary = torch.cat((rotary, rotary), dim=-1)
+        return visual.fast_pos_embed_interpolate(grid_thw).to(dtype), rotary.cos(), rotary.sin()
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
+
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid_thw, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size,
+    )
+    positions = (visual.pos_embed(indices) * weights[:, :, None]).sum(1).to(dtype)
+    cos, sin = visual.rotary_pos_emb(positions, get_vision_position_ids(grid_thw, visual.spatial_merge_size))
+    return positions, cos, sin
+
+
+def vision_output(hidden, merged, deepstack):
+    """What the stock vision tower's forward returns: a `BaseModelOutputWithDeepstackFeatures` (5.x) or the
+    tuple `(merged, deepstack)` (4.57)."""
+    output_class = getattr(modeling_qwen3_vl, "BaseModelOutputWithDeepstackFeatures", None)
+    if output_class is None:
+        return merged, deepstack
+    return output_class(last_hidden_state=hidden, pooler_output=merged, deepstack_features=deepstack)
+
+
+def media_features(model, model_kwargs) -> list:
+    """`(kind, token id, features (n, hidden), DeepStack features [(n, hidden)])` of the prompt's images, then its
+    videos: generate's pre-encoded outputs (5.2x encodes before prefill) or the tower run on the pixels."""
+    encoded = model_kwargs.get("mm_encoder_outputs") or {}
+    media = []
+    for kind, pixels, token in (
+        ("image", "pixel_values", model.config.image_token_id),
+        ("video", "pixel_values_videos", model.config.video_token_id),
+    ):
+        output = encoded.get(kind)
+        if output is None and model_kwargs.get(pixels) is not None:
+            output = getattr(model.model, f"get_{kind}_features")(model_kwargs[pixels], model_kwargs[f"{kind}_grid_thw"])
+        if output is None:
+            continue
+        # 5.x: an output object with per-image tuples (deepstack split per image on 5.2x); 4.57: a tuple
+        features, deepstack = (output.pooler_output, output.deepstack_features) if hasattr(output, "pooler_output") else output
+        media.append((kind, token, _joined(features), [_joined(layer) for layer in deepstack]))
+    return media
+
+
+def _joined(parts) -> torch.Tensor:
+    return torch.cat(parts) if isinstance(parts, (tuple, list)) else parts
 
 
 def portable_config_dict(config_dict: dict) -> dict:

@@ -37,6 +37,17 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             Decode steps the device runs (sampling and EOS checks included) before the host reads their tokens.
             Larger values sync less often; up to `steps_per_sync - 1` steps past the last EOS are computed and
             dropped.
+        prefill_graph_tokens (`int`, defaults to 2048):
+            Largest prompt (batch bucket x token bucket, in tokens) whose language-model prefill is padded to
+            power-of-two token buckets (from 16) and replayed as a CUDA graph; larger prompts run the same prefill
+            eagerly at their exact size. 0 turns prefill graphs off.
+        vision_graph_patches (`int`, defaults to 4096):
+            Largest vision input (all images and videos of one call, in patches) that is padded to power-of-two
+            patch buckets (from 256) and replayed as a CUDA graph; larger inputs run eagerly at their exact size.
+            0 turns vision graphs off. Must be a multiple of `spatial_merge_size**2`.
+        vision_table_cache_size (`int`, defaults to 16):
+            Image sizes whose vision position tables (interpolated position embeddings, rotary cos/sin) are kept
+            for reuse.
         patch_embed_mode (`str`, defaults to `"gemm"`):
             How the vision patch embedding runs: `"gemm"` (the stride-equals-kernel Conv3d as one matrix product on
             the same weights), `"conv3d"` (stock) or `"channels_last_3d"` (Conv3d in channels-last-3d layout).
@@ -55,6 +66,9 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     graph_batch_sizes: list[int] | None = None
     graph_cache_lengths: list[int] | None = None
     steps_per_sync: int = 8
+    prefill_graph_tokens: int = 2048
+    vision_graph_patches: int = 4096
+    vision_table_cache_size: int = 16
     patch_embed_mode: str = "gemm"
     allow_tf32: bool = False
     cudnn_benchmark: bool = False
@@ -68,6 +82,15 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             raise ValueError(f"patch_embed_mode must be one of {PATCH_EMBED_MODES}, got {self.patch_embed_mode!r}")
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be at least 1, got {self.steps_per_sync}")
+        for name in ("prefill_graph_tokens", "vision_graph_patches", "vision_table_cache_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        unit = self.vision_config.spatial_merge_size**2
+        if self.vision_graph_patches % unit:
+            raise ValueError(
+                f"vision_graph_patches must be a multiple of spatial_merge_size**2 = {unit} (whole merged tokens), "
+                f"got {self.vision_graph_patches}"
+            )
 
     def to_dict(self) -> dict:
         return portable_config_dict(super().to_dict())
@@ -81,6 +104,18 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     def cache_buckets(self) -> list[int]:
         """Sorted KV lengths that get a graph; the last one is `static_cache_len`."""
         return _buckets(self.graph_cache_lengths, 256, self.static_cache_len, "graph_cache_lengths", "static_cache_len")
+
+    def prompt_buckets(self) -> list[int]:
+        """Sorted prompt lengths that get a prefill graph (empty when prefill graphs are off)."""
+        if not self.prefill_graph_tokens:
+            return []
+        return _buckets(None, 16, self.prefill_graph_tokens, "prompt buckets", "prefill_graph_tokens")
+
+    def patch_buckets(self) -> list[int]:
+        """Sorted vision patch counts that get a graph (empty when vision graphs are off)."""
+        if not self.vision_graph_patches:
+            return []
+        return _buckets(None, 256, self.vision_graph_patches, "patch buckets", "vision_graph_patches")
 
 
 def _buckets(chosen, start, top, name, top_name) -> list[int]:

@@ -8,23 +8,17 @@ keeps them inert (token 0, position 0, one attendable slot, their own cache rows
 EOS flags and the next input token all advance on the device inside the step, so consecutive replays need
 no host work at all; the host reads the chunk's tokens once per `steps_per_sync` steps.
 
-Graphs are keyed by (batch bucket, KV-length bucket, mode) and share one memory pool. Modes: "logits"
+Graphs are keyed by (batch bucket, KV-length bucket, mode) and share the model's one memory pool. Modes: "logits"
 returns float32 logits (for loops that post-process them on the host), "greedy" and "sample" pick the
 next token inside the graph.
 """
 
 import bisect
-import time
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
-from transformers.utils import logging
-from transformers.utils.logging import tqdm
 
 from .kernels_qwen3vl_graph import fuse_weights, is_fused
-
-logger = logging.get_logger(__name__)
 
 MODES = ("logits", "greedy", "sample")
 MAX_EOS_IDS = 8
@@ -49,14 +43,15 @@ def sample_tokens(logits, temperature, top_k, top_p):
 
 
 class DecodeRunner:
-    def __init__(self, model, cache, ops, batch_buckets, cache_buckets, steps_per_sync: int, use_graphs: bool):
+    def __init__(self, model, cache, ops, batch_buckets, cache_buckets, steps_per_sync: int, capturer, use_graphs: bool):
         self.model = model
         self.cache = cache
         self.batch_buckets = batch_buckets
         self.cache_buckets = cache_buckets
         rows, slots = cache.rows, cache.capacity
         device = cache.full_keys[0].device
-        self.use_graphs = use_graphs and device.type == "cuda"
+        self.can_use_graphs = device.type == "cuda"
+        self.use_graphs = use_graphs and self.can_use_graphs
         self.ops = ops  # TorchDecodeOps or TritonDecodeOps (kernels_qwen3vl_graph.py)
         vocab = model.lm_head.out_features
 
@@ -90,9 +85,8 @@ class DecodeRunner:
         ]
         self.fused_weights = [fuse_weights(linears) for linears in self.fused_linears]
         self.qkv_weights, self.gate_up_weights = self.fused_weights[0::2], self.fused_weights[1::2]
+        self.capturer = capturer
         self.graphs = {}
-        self.pool = None
-        self.warmup_stream = None  # one side stream: each new stream would get its own cuBLAS workspace
         self.batch_size = 0
         self.length = 0  # slots filled in every real row (rows advance in lockstep)
 
@@ -212,14 +206,15 @@ class DecodeRunner:
         for layer, next_norm, keys, values, qkv_weight, gate_up_weight in layers:
             attn, norm = layer.self_attn, layer.post_attention_layernorm
             q = ops.qk_norm_rope_write(
-                F.linear(x, qkv_weight), attn.config.num_attention_heads, attn.q_norm.weight, attn.k_norm.weight,
+                ops.linear(x, qkv_weight), attn.config.num_attention_heads, attn.q_norm.weight, attn.k_norm.weight,
                 attn.q_norm.variance_epsilon, rotary, keys, values, cache_lens,
             )
             out = ops.decode_attention(q, keys, values, context, kv_len, attn.scaling)
-            hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon)
-            mlp_out = layer.mlp.down_proj(ops.silu_mul(F.linear(x, gate_up_weight)))
+            attn_out = ops.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+            hidden, x = ops.add_rms_norm(hidden, attn_out, norm.weight, norm.variance_epsilon)
+            mlp_out = ops.linear(ops.silu_mul(ops.linear(x, gate_up_weight)), layer.mlp.down_proj.weight)
             hidden, x = ops.add_rms_norm(hidden, mlp_out, next_norm.weight, next_norm.variance_epsilon)
-        logits = self.model.lm_head(x)
+        logits = ops.linear(x, self.model.lm_head.weight)
         cache_lens += 1
         positions += 1
         return logits
@@ -227,38 +222,17 @@ class DecodeRunner:
     # -- CUDA graphs ---------------------------------------------------------------------------------------
 
     def capture(self, rows: int, kv_len: int, mode: str) -> torch.cuda.CUDAGraph:
-        """Capture one step. Warm-up runs advance the state and the RNG, so both are restored afterwards."""
-        began = time.perf_counter()
+        """Capture one step; its warm-up runs advance the request state, which the capturer restores."""
         state = [self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step]
-        saved = [tensor.clone() for tensor in state]
-        rng = torch.cuda.get_rng_state()
-        if self.warmup_stream is None:
-            self.warmup_stream = torch.cuda.Stream()
-        stream = self.warmup_stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.step(rows, kv_len, mode)
-        torch.cuda.current_stream().wait_stream(stream)
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.step(rows, kv_len, mode)
-        torch.cuda.set_rng_state(rng)
+        graph = self.capturer.capture(
+            lambda: self.step(rows, kv_len, mode), state, name=f"decode ({rows} rows x {kv_len} cache slots, {mode})"
+        )
         self.graphs[(rows, kv_len, mode)] = graph
-        seconds = time.perf_counter() - began
-        message = f"Captured the decode graph for {rows} rows x {kv_len} cache slots ({mode}) in {seconds:.2f} s"
-        if seconds > 1:  # the first capture compiles the Triton kernels (Triton caches them on disk)
-            logger.warning(f"{message}, kernel compilation included; model.warmup() does this ahead of requests.")
-        else:
-            logger.info(message)
         return graph
 
-    def warmup(self, batch_sizes, cache_lengths, modes) -> float:
-        """Capture every (batch bucket, KV bucket, mode) covering these sizes ahead of time; returns seconds."""
+    def warmup_keys(self, batch_sizes, cache_lengths, modes) -> list:
+        """The (batch bucket, KV bucket, mode) graphs covering these sizes, largest first (later graphs then fit
+        in the memory the pool already holds), after checking the sizes fit."""
         if set(modes) - set(MODES):
             raise ValueError(f"warmup modes must be among {MODES}, got {list(modes)}")
         if max(batch_sizes) > self.batch_buckets[-1] or max(cache_lengths) > self.cache_buckets[-1]:
@@ -266,27 +240,17 @@ class DecodeRunner:
                 f"warmup sizes exceed the cache: batch sizes {list(batch_sizes)} (max_batch_size="
                 f"{self.batch_buckets[-1]}), cache lengths {list(cache_lengths)} (static_cache_len={self.cache_buckets[-1]})"
             )
-        if not self.use_graphs:
-            return 0.0
-        keys = sorted(
-            {
-                (self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)],
-                 self.cache_buckets[bisect.bisect_left(self.cache_buckets, n)], mode)
-                for b in batch_sizes for n in cache_lengths for mode in modes
-            },
-            reverse=True,  # largest first: later graphs fit in the memory the pool already holds
-        )
-        # Warm-up steps run on a dummy request: every row finished, one slot, nothing read beyond it.
+        keys = {
+            (self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)],
+             self.cache_buckets[bisect.bisect_left(self.cache_buckets, n)], mode)
+            for b in batch_sizes for n in cache_lengths for mode in modes
+        }
+        return sorted(keys, reverse=True)
+
+    def idle(self) -> None:
+        """A dummy request for warm-up steps: every row finished, one slot, nothing read beyond it."""
         self.batch_size, self.length = 0, 0
         self.cache_lens.zero_()
         self.positions.zero_()
         self.attendable.fill_(True)
         self.unfinished.fill_(False)
-        began = time.perf_counter()
-        for key in tqdm(keys, desc="Capturing decode graphs"):
-            if key not in self.graphs:
-                self.capture(*key)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - began
-        logger.info(f"Captured {len(keys)} decode graphs in {seconds:.2f} s")
-        return seconds

@@ -5,16 +5,28 @@ times per layer. `TorchDecodeOps` computes the stock math with the fewest torch 
 everywhere, the CPU included); `TritonDecodeOps` fuses each block into one kernel. Both take and return
 the same tensors, so the runner picks one set and the step does not change. Triton is optional: without
 it (or without a GPU) the torch ops run.
+
+The step's matmuls have a few rows, so they are GEMVs bound by reading the weights; `TritonDecodeOps.linear` runs
+cuBLAS or a skinny Triton matmul, whichever measured faster on the device for that shape.
 """
+
+import statistics
+from collections import namedtuple
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the torch ops cover every environment
     triton = None
+
+logger = logging.get_logger(__name__)
+
+# The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
+SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages")
 
 
 def fuse_weights(linears) -> torch.Tensor:
@@ -43,6 +55,11 @@ def is_fused(fused: torch.Tensor, linears) -> bool:
 
 class TorchDecodeOps:
     """Reference decode ops in plain torch (same math as the stock modules)."""
+
+    @staticmethod
+    def linear(x, weight, bias=None):
+        """`x @ weight.T (+ bias)`: the step's projections."""
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def rotary(cos, sin):
@@ -235,12 +252,136 @@ if triton is not None:
         up = tl.load(gate_up + row * 2 * n_cols + n_cols + cols, mask=keep, other=0.0).to(tl.float32)
         tl.store(out + row * n_cols + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out.dtype.element_ty), mask=keep)
 
+    @triton.jit(do_not_specialize=["rows"])  # one compiled variant for every row count (Triton would single out 1)
+    def _skinny_matmul_kernel(
+        x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range). Each weight tile is read
+        once, coalesced along K, and serves every row: the rows are the narrow side of a `tl.dot` (padded to ROWS,
+        tl.dot's minimum). `out` is y itself, or this K range's float32 partial `(splits, rows, n_cols)`."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        row_ids = tl.arange(0, ROWS)
+        acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+        # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
+        for start in range(split * k_split, split * k_split + k_split, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            w = tl.load(weight + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < n_cols) & (ks[None, :] < k_len),
+                        other=0.0)
+            x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
+                          other=0.0)
+            acc = tl.dot(w, x_t, acc)
+        keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
+        tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr):
+        """Split-K, pass 2: add the float32 partials and round once."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        keep = offsets < numel
+        total = tl.zeros((BLOCK,), tl.float32)
+        for split in range(splits):
+            total += tl.load(parts + split * numel + offsets, mask=keep, other=0.0)
+        tl.store(out + offsets, total.to(out.dtype.element_ty), mask=keep)
+
 
 class TritonDecodeOps(TorchDecodeOps):
     """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output."""
 
     CHUNK = 64  # KV slots per flash-decoding program
     BLOCK_N = 32
+    SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
+    SPIN_CYCLES = 200_000  # GPU cycles (~0.1 ms) of busy wait before each timed call: longer than the host's launch
+    linear_choices = {}  # (rows, N, K, dtype, device) -> whether the Triton kernel measured faster than cuBLAS
+
+    @classmethod
+    def linear(cls, x, weight, bias=None):
+        """cuBLAS or the skinny Triton matmul, whichever measured faster on this device for these (M, N, K, dtype).
+
+        Each shape is measured once, on first use: in the runner that is a warm-up step, which the graph capturer
+        runs twice on a side stream before capturing. Timing needs a sync, which capture forbids, so a shape first
+        met during capture runs cuBLAS in that graph and is measured the next time it runs outside capture. Off CUDA
+        (the interpreter tests) the kernel always runs, so the CPU tests take it through the whole decode loop. A
+        bias (no Qwen3-VL checkpoint has one) keeps cuBLAS, which adds it.
+        """
+        if bias is not None or x.dim() != 2 or x.shape[0] > cls.SKINNY_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
+            return F.linear(x, weight, bias)
+        if not x.is_cuda:
+            return cls.skinny_matmul(x, weight)
+        key = (x.shape[0], *weight.shape, x.dtype, x.device)
+        use_triton = cls.linear_choices.get(key)
+        if use_triton is None:
+            if torch.cuda.is_current_stream_capturing():
+                return F.linear(x, weight)
+            cublas_us, triton_us = cls.time_linear(x, weight)
+            use_triton = cls.linear_choices[key] = triton_us < cublas_us
+            logger.info(
+                f"Linear of {x.shape[0]} rows x {weight.shape[1]} -> {weight.shape[0]} ({x.dtype}): cuBLAS {cublas_us:.1f} us, "
+                f"Triton {triton_us:.1f} us; using {'Triton' if use_triton else 'cuBLAS'}"
+            )
+        return cls.skinny_matmul(x, weight) if use_triton else F.linear(x, weight)
+
+    @classmethod
+    def time_linear(cls, x, weight, reps=20):
+        """Median microseconds of (cuBLAS, the skinny matmul) on these operands, as in the decode graph: the GPU runs
+        each call without waiting for the host (a spin kernel covers the launch) and reads the weight from HBM, as
+        the step does with weights far larger than L2 (reading twice L2's size first evicts it, leaving no dirty
+        lines to write back). Synchronizes only the current stream's work."""
+        candidates = (F.linear, cls.skinny_matmul)
+        for candidate in candidates:
+            for _ in range(3):  # compiles the kernel, warms cuBLAS
+                candidate(x, weight)
+        flush = torch.empty(torch.cuda.get_device_properties(x.device).L2_cache_size // 2, dtype=torch.float32, device=x.device)
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+                  for _ in candidates]
+        for rep in range(reps):
+            for candidate, pairs in zip(candidates, events):
+                flush.sum()
+                torch.cuda._sleep(cls.SPIN_CYCLES)
+                start, end = pairs[rep]
+                start.record()
+                candidate(x, weight)
+                end.record()
+        events[-1][-1][1].synchronize()
+        return [1000 * statistics.median(start.elapsed_time(end) for start, end in pairs) for pairs in events]
+
+    @staticmethod
+    def skinny_config(n, k, sms, block_n=64, block_k=128):
+        """The skinny matmul's tiling for an (N, K) weight on `sms` SMs: one rule, so few compiled variants.
+
+        A GEMV is as fast as the weight bytes it keeps in flight. Each program streams `block_n` x `block_k` tiles
+        through a 4-stage pipeline (two programs fit an SM); a matrix with fewer than two column tiles per SM also
+        splits K (doubling, while each range keeps at least two K steps), its float32 partials summed by a second
+        kernel.
+        """
+        tiles, split = triton.cdiv(n, block_n), 1
+        while tiles * split < 2 * sms and k >= 4 * split * block_k:
+            split *= 2
+        return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
+
+    @classmethod
+    def skinny_matmul(cls, x, weight, config=None):
+        """`x @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
+        unit-stride along K; `config` (a SkinnyConfig) overrides the rule."""
+        rows, k = x.shape
+        n = weight.shape[0]
+        if config is None:
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+            config = cls.skinny_config(n, k, sms)
+        k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+        splits = triton.cdiv(k, k_split)
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        parts = out if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+        _skinny_matmul_kernel[(triton.cdiv(n, config.block_n), splits)](
+            x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
+            ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        if splits > 1:
+            block = 1024
+            _sum_splits_kernel[(triton.cdiv(rows * n, block),)](parts, out, rows * n, splits, BLOCK=block)
+        return out
 
     @staticmethod
     def rotary(cos, sin):

@@ -4,13 +4,16 @@ Same module tree and forward as `Qwen3VLForConditionalGeneration` (stock checkpo
 this class saves loads into the stock class). `generate()` keeps all of transformers' input preparation
 (M-RoPE positions, multimodal inputs, logits processors, stopping criteria); this class only
 - hands generate its one persistent `ASStaticCache` (`_prepare_cache_for_generation`), and
-- owns the decode loop (`_sample`): stock prefill into that cache, then `DecodeRunner` steps.
+- owns prefill and the decode loop (`_sample`): `VisionRunner` encodes the images and videos, `PrefillRunner`
+  writes the prompt into that cache and gives the first token's logits, then `DecodeRunner` steps.
 Anything the loop does not cover (beam search, assisted decoding, attention/hidden-state outputs, a cache
 passed by the caller, ...) runs transformers' own code path.
 """
 
 import threading
+import time
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 from torch import nn
@@ -19,13 +22,22 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLModel
 from transformers.utils import logging
+from transformers.utils.logging import tqdm
 
 from .cache_qwen3vl_graph import ASStaticCache
-from .compat_qwen3vl_graph import CACHE_KWARG, first_decode_positions, generate_output, prefill
+from .capture_qwen3vl_graph import GraphCapturer
+from .compat_qwen3vl_graph import CACHE_KWARG, first_decode_positions, generate_output, media_features, prompt_positions
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 from .graphs_qwen3vl_graph import MAX_EOS_IDS, DecodeRunner, sample_tokens
 from .kernels_qwen3vl_graph import decode_ops
-from .vision_qwen3vl_graph import BlockDiagonalMask, Qwen3VLGraphPatchEmbed, Qwen3VLGraphVisionAttention
+from .prefill_qwen3vl_graph import PrefillRunner
+from .vision_qwen3vl_graph import (
+    BlockDiagonalMask,
+    Qwen3VLGraphPatchEmbed,
+    Qwen3VLGraphVisionAttention,
+    Qwen3VLGraphVisionModel,
+    VisionRunner,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -45,26 +57,32 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
     def __init__(self, config: Qwen3VLGraphConfig):
         config.validate_graph_settings()
         super().__init__(config)
-        # Vision modules with the stock parameters but faster forwards (vision_qwen3vl_graph.py).
-        visual = self.model.visual
+        # Vision modules with the stock parameters but faster forwards (vision_qwen3vl_graph.py). The tower class
+        # is ours (its forward can use the runner) around the stock instance's own submodules.
+        with torch.device("meta"):
+            visual = Qwen3VLGraphVisionModel(config.vision_config)
+        for name, child in self.model.visual.named_children():
+            setattr(visual, name, child)
+        self.model.visual = visual
         visual.patch_embed = _same_weights(
             Qwen3VLGraphPatchEmbed(config.vision_config, mode=config.patch_embed_mode), visual.patch_embed
         )
-        mask = BlockDiagonalMask()
+        self._vision_mask = BlockDiagonalMask()
         for block in visual.blocks:
-            block.attn = _same_weights(Qwen3VLGraphVisionAttention(config.vision_config, mask), block.attn)
+            block.attn = _same_weights(Qwen3VLGraphVisionAttention(config.vision_config, self._vision_mask), block.attn)
         if config.allow_tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         if config.cudnn_benchmark:
             torch.backends.cudnn.benchmark = True
         self._static_cache = None
-        self._runner = None
+        self._runner = self._prefill_runner = None
         # One request at a time owns the cache and the runner's buffers.
         self._generate_lock = threading.RLock()
 
     def generate(self, *args, **kwargs):
         with self._generate_lock:
+            self.static_cache()  # before generate's own steps: transformers 5.2x runs the vision tower early
             return super().generate(*args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -82,19 +100,44 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         """The persistent KV cache, allocated on first use for the model's current device and dtype."""
         weight = self.model.language_model.embed_tokens.weight
         cache = self._static_cache
-        stale = cache is None or (cache.full_keys[0].device, cache.full_keys[0].dtype) != (weight.device, weight.dtype)
-        if stale or not self._runner.weights_current():
-            self._static_cache = self._runner = None  # free the old cache before allocating the new one
-            cache = ASStaticCache(
-                self.config, self.config.max_batch_size, self.config.static_cache_len, weight.device, weight.dtype
-            )
+        stale = (
+            cache is None
+            or (cache.full_keys[0].device, cache.full_keys[0].dtype) != (weight.device, weight.dtype)
+            or not self._runner.weights_current()
+            or not self.model.visual.runner.current()
+        )
+        if stale:
+            # Free the old cache and graphs before allocating new ones.
+            self._static_cache = self._runner = self._prefill_runner = self.model.visual.runner = None
+            config = self.config
+            cache = ASStaticCache(config, config.max_batch_size, config.static_cache_len, weight.device, weight.dtype)
             self._static_cache = cache
-            ops = decode_ops(weight.device, weight.dtype, self.config.use_triton_kernels)
+            ops = decode_ops(weight.device, weight.dtype, config.use_triton_kernels)
+            capturer = GraphCapturer()  # one memory pool for every graph of the model
+            graphs = config.use_cuda_graphs
+            # On CUDA, prompts and images are padded to buckets with or without graphs: the eager path then
+            # computes on the graphs' shapes, so the two give the same numbers.
+            bucketed = weight.device.type == "cuda"
             self._runner = DecodeRunner(
-                self, cache, ops, self.config.batch_buckets(), self.config.cache_buckets(),
-                self.config.steps_per_sync, self.config.use_cuda_graphs,
+                self, cache, ops, config.batch_buckets(), config.cache_buckets(), config.steps_per_sync, capturer, graphs
+            )
+            self._prefill_runner = PrefillRunner(
+                self, cache, ops, (self._runner.qkv_weights, self._runner.gate_up_weights), config.batch_buckets(),
+                config.prompt_buckets(), config.prefill_graph_tokens, capturer, graphs, bucketed,
+            )
+            self.model.visual.runner = VisionRunner(
+                self.model.visual, self._vision_mask, config.patch_buckets(), config.vision_table_cache_size, capturer,
+                graphs, bucketed,
             )
         return cache
+
+    def set_cuda_graphs(self, enabled: bool) -> None:
+        """Turn graph replay on or off at runtime (captured graphs are kept). Off, the same steps run eagerly on
+        the same padded shapes, which is what the graphs are checked against."""
+        self.config.use_cuda_graphs = enabled
+        self.static_cache()
+        for runner in (self._runner, self._prefill_runner, self.model.visual.runner):
+            runner.use_graphs = enabled and runner.can_use_graphs
 
     def _static_loop_blocker(self, generation_config, model_kwargs, generation_mode) -> str | None:
         """Why this call must run transformers' own loop, or None when the static loop covers it."""
@@ -133,17 +176,38 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         cache.activate(rows, max_cache_length)
         model_kwargs[CACHE_KWARG] = cache
 
-    def warmup(self, batch_sizes=None, cache_lengths=None, modes=("greedy", "sample")) -> float:
-        """Capture the decode graphs ahead of time, so no `generate` call waits for a capture.
+    def warmup(
+        self, batch_sizes=None, cache_lengths=None, modes=("greedy", "sample"), prompt_lengths=None, image_patches=None
+    ) -> float:
+        """Capture the CUDA graphs ahead of time, so no `generate` call waits for a capture.
 
-        `batch_sizes` / `cache_lengths` (prompt + new tokens) default to every configured bucket; each is
-        rounded up to its bucket. Returns the capture time in seconds (0 where graphs are not used: CPU, or
-        `use_cuda_graphs=False`).
+        - decode: every (batch size, `cache_lengths` = prompt + new tokens, mode) combination;
+        - prefill: every (batch size, `prompt_lengths`) combination within `prefill_graph_tokens`;
+        - vision: every `image_patches` count (all images of one call; a 448x448 image has 784 patches) within
+          `vision_graph_patches`.
+        Each size is rounded up to its bucket, and each list defaults to every configured bucket. Returns the
+        capture time in seconds (0 where graphs are not used: CPU, or `use_cuda_graphs=False`).
         """
         self.static_cache()
-        runner = self._runner
+        runner, prefill, vision = self._runner, self._prefill_runner, self.model.visual.runner
         with self._generate_lock, torch.no_grad():
-            return runner.warmup(batch_sizes or runner.batch_buckets, cache_lengths or runner.cache_buckets, modes)
+            batch_sizes = batch_sizes or runner.batch_buckets
+            keys = runner.warmup_keys(batch_sizes, cache_lengths or runner.cache_buckets, modes)
+            captures = [partial(runner.capture, *key) for key in keys if key not in runner.graphs]
+            keys = prefill.warmup_keys(batch_sizes, prompt_lengths or prefill.token_buckets)
+            captures += [partial(prefill.capture, *key) for key in keys if prefill.use_graphs and key not in prefill.graphs]
+            keys = vision.warmup_keys(image_patches or vision.buckets)
+            captures += [partial(vision.capture, key) for key in keys if vision.use_graphs and key not in vision.graphs]
+            if not runner.use_graphs:
+                return 0.0
+            runner.idle()
+            began = time.perf_counter()
+            for capture in tqdm(captures, desc="Capturing CUDA graphs"):
+                capture()
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - began
+            logger.info(f"Captured {len(captures)} CUDA graphs in {seconds:.2f} s")
+            return seconds
 
     def _sample(
         self,
@@ -160,16 +224,30 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
         runner = self._runner
-        attention_mask = model_kwargs.get("attention_mask")
-        outputs = prefill(self, input_ids, generation_config, model_kwargs)
-        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
-        del outputs
+        logits = self._prefill_prompt(input_ids, model_kwargs)
         positions = first_decode_positions(self, model_kwargs, input_ids.shape[1])
-        runner.start(positions, attention_mask, input_ids.shape[1])
+        runner.start(positions, model_kwargs.get("attention_mask"), input_ids.shape[1])
         plan = _device_plan(logits_processor, stopping_criteria, generation_config)
         if plan is None:
             return self._host_loop(input_ids, logits, logits_processor, stopping_criteria, generation_config, streamer)
         return self._device_loop(input_ids, logits, plan, generation_config, streamer)
+
+    def _prefill_prompt(self, input_ids, model_kwargs) -> torch.Tensor:
+        """Vision tower and prompt prefill into the static cache; returns the float32 logits of the last position."""
+        media = media_features(self, model_kwargs)
+        for kind, token, features, _ in media:  # as stock checks, before the prompt is written
+            tokens = int((input_ids == token).sum())
+            if tokens != features.shape[0]:
+                raise ValueError(
+                    f"{kind.capitalize()} features and {kind} tokens do not match: the prompt has {tokens} {kind} "
+                    f"tokens, the {kind}s give {features.shape[0]} features."
+                )
+        visual, deepstack = None, ()
+        if media:
+            visual = torch.cat([features for _, _, features, _ in media])
+            deepstack = [torch.cat(layer) for layer in zip(*(layers for _, _, _, layers in media))]
+        positions = prompt_positions(self, input_ids, model_kwargs)
+        return self._prefill_runner.run(input_ids, model_kwargs.get("attention_mask"), positions, visual, deepstack)
 
     def _device_loop(self, input_ids, logits, plan, generation_config, streamer):
         """Sampling and EOS checks on the device, `steps_per_sync` steps per host read."""

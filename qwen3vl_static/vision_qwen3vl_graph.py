@@ -1,19 +1,31 @@
-"""Vision-tower pieces that keep the stock parameters (same checkpoint keys) but run with fewer host stalls.
+"""The vision tower without host stalls: modules on the stock parameters (same checkpoint keys) and a runner.
 
 - The patch embedding is a Conv3d whose stride equals its kernel, i.e. one matrix product of the flattened
   patches `(N, C*T*P*P)` with the flattened kernel.
 - The stock sdpa vision attention splits the sequence per image with `lengths.tolist()`: a host sync in each
   of the 24 blocks. Here one image (one segment) is one SDPA call, and several segments are one call with
   a block-diagonal mask, built once per vision forward and shared by every block.
+- `Qwen3VLGraphVisionModel` is the stock tower whose forward hands over to the model's `VisionRunner` once
+  the model attached one (`static_cache()`). The runner keeps each image size's position tables, and on CUDA
+  pads the patches of a call to a patch-count bucket and replays the tower as a CUDA graph: padding patches
+  form a segment of their own in the block-diagonal mask, so real patches never see them. Every caller of the
+  tower (generate's pre-encoding on 5.2x, the stock forward, `get_image_features`) gets the fast path.
 """
+
+import bisect
+from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLVisionAttention,
+    Qwen3VLVisionModel,
     Qwen3VLVisionPatchEmbed,
     apply_rotary_pos_emb_vision,
 )
+
+from .compat_qwen3vl_graph import vision_output, vision_tables
 
 
 class Qwen3VLGraphPatchEmbed(Qwen3VLVisionPatchEmbed):
@@ -46,8 +58,11 @@ class BlockDiagonalMask:
     def __init__(self):
         self.cu_seqlens = None
         self.mask = None
+        self.fixed = None  # set by VisionRunner: the mask of its padded buckets, whatever `cu_seqlens` says
 
     def get(self, cu_seqlens: torch.Tensor, length: int) -> torch.Tensor | None:
+        if self.fixed is not None:
+            return self.fixed
         if cu_seqlens.shape[0] <= 2:  # a single segment attends to all of itself: no mask
             return None
         if self.cu_seqlens is not cu_seqlens:
@@ -55,6 +70,14 @@ class BlockDiagonalMask:
             segment = torch.searchsorted(cu_seqlens, positions, right=True)
             self.cu_seqlens, self.mask = cu_seqlens, segment[:, None] == segment[None, :]
         return self.mask
+
+    @contextmanager
+    def fixed_mask(self, mask: torch.Tensor):
+        self.fixed = mask
+        try:
+            yield
+        finally:
+            self.fixed = None
 
 
 class Qwen3VLGraphVisionAttention(Qwen3VLVisionAttention):
@@ -65,10 +88,161 @@ class Qwen3VLGraphVisionAttention(Qwen3VLVisionAttention):
     def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
         length = hidden_states.shape[0]
         # Flash attention is already variable-length; very long multi-segment inputs keep the stock split.
-        if self.config._attn_implementation != "sdpa" or (cu_seqlens.shape[0] > 2 and length > MAX_MASKED_LENGTH):
+        stock = self.config._attn_implementation != "sdpa" or (cu_seqlens.shape[0] > 2 and length > MAX_MASKED_LENGTH)
+        if stock and self.block_mask.fixed is None:
             return super().forward(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
         q, k, v = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
         q, k, v = (states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.block_mask.get(cu_seqlens, length), scale=self.scaling)
         return self.proj(out[0].transpose(0, 1).reshape(length, -1))
+
+
+class Qwen3VLGraphVisionModel(Qwen3VLVisionModel):
+    """The stock vision tower; with a `runner` attached, its forward runs on the runner (same outputs)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.runner = None
+
+    def forward(self, hidden_states, grid_thw, **kwargs):
+        runner = self.runner
+        recording = kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
+        if runner is None or recording or not runner.current():
+            return super().forward(hidden_states, grid_thw, **kwargs)
+        output = vision_output(*runner.encode(hidden_states, grid_thw))
+        return output.to_tuple() if kwargs.get("return_dict") is False and hasattr(output, "to_tuple") else output
+
+
+class VisionRunner:
+    """Images or videos -> the tower's last hidden states, merged visual tokens and DeepStack features."""
+
+    def __init__(
+        self, visual, mask: BlockDiagonalMask, patch_buckets, table_cache_size: int, capturer, use_graphs: bool,
+        bucketed: bool,
+    ):
+        self.visual = visual
+        self.mask = mask
+        self.capturer = capturer
+        weight = visual.patch_embed.proj.weight
+        device, self.dtype = weight.device, weight.dtype
+        self.weight_address = weight.data_ptr()
+        config = visual.config
+        self.unit = config.spatial_merge_size**2  # patches per merged token
+        self.buckets = patch_buckets
+        # As for prefill, padded to buckets or run at exact sizes. The padded mask needs the sdpa attention (other
+        # implementations split by `cu_seqlens`, which padding would break).
+        self.bucketed = bucketed and bool(patch_buckets) and config._attn_implementation == "sdpa"
+        self.can_use_graphs = self.bucketed
+        self.use_graphs = use_graphs and self.can_use_graphs
+        self.graphs = {}
+        self.tables = OrderedDict()  # (t, h, w) -> tables, least recently used first
+        self.table_cache_size = table_cache_size
+        patches = patch_buckets[-1] if self.bucketed else 0
+        head_dim = config.hidden_size // config.num_heads
+        merged = patches // self.unit
+
+        def buffer(*shape, dtype=self.dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.pixels = buffer(patches, weight[0].numel())
+        self.positions = buffer(patches, config.hidden_size)
+        self.cos = buffer(patches, head_dim, dtype=torch.float32)
+        self.sin = buffer(patches, head_dim, dtype=torch.float32)
+        self.segments = buffer(patches, dtype=torch.long)
+        self.hidden = buffer(patches, config.hidden_size)
+        self.merged = buffer(merged, config.out_hidden_size)
+        self.deepstack = buffer(len(visual.deepstack_visual_indexes), merged, config.out_hidden_size)
+        self.one_segment = torch.tensor([0, patches], dtype=torch.int32, device=device)
+
+    def current(self) -> bool:
+        """False once the tower's weights were replaced or moved (graphs hold their addresses)."""
+        return self.visual.patch_embed.proj.weight.data_ptr() == self.weight_address
+
+    def table(self, grid: tuple):
+        """Position embeddings, rotary cos/sin and frame index `(t*h*w,)` of one image size, computed once."""
+        if grid in self.tables:
+            self.tables.move_to_end(grid)
+            return self.tables[grid]
+        device = self.positions.device
+        positions, cos, sin = vision_tables(self.visual, torch.tensor([grid], device=device))
+        t, h, w = grid
+        frames = torch.arange(t, device=device).repeat_interleave(h * w)
+        self.tables[grid] = entry = (positions, cos, sin, frames)
+        if len(self.tables) > self.table_cache_size:
+            self.tables.popitem(last=False)
+        return entry
+
+    def bucket(self, patches: int):
+        if not self.bucketed or patches > self.buckets[-1]:
+            return None
+        return self.buckets[bisect.bisect_left(self.buckets, patches)]
+
+    def encode(self, pixel_values, grid_thw):
+        """`(last hidden states (patches, hidden), merged tokens (n, out_hidden), DeepStack features
+        [(n, out_hidden)])` for all images of the call, in order; new tensors (the next call reuses the buffers)."""
+        grids = [tuple(grid) for grid in grid_thw.tolist()]  # the one host read of a vision call
+        patches = pixel_values.shape[0]
+        if patches != sum(t * h * w for t, h, w in grids):
+            raise ValueError(
+                f"The pixel values hold {patches} patches but grid_thw {grids} describes "
+                f"{sum(t * h * w for t, h, w in grids)}."
+            )
+        tables = [self.table(grid) for grid in grids]
+        bucket = self.bucket(patches)
+        if bucket is None:
+            lengths = [h * w for t, h, w in grids for _ in range(t)]  # one attention segment per frame
+            cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(pixel_values.device)
+            positions, cos, sin, _ = (torch.cat(parts) for parts in zip(*tables))
+            return self.tower(pixel_values.to(self.dtype), positions, cos, sin, cu_seqlens)
+        start, segment = 0, 0
+        for (t, _, _), (positions, cos, sin, frames) in zip(grids, tables):
+            end = start + frames.shape[0]
+            self.positions[start:end] = positions
+            self.cos[start:end] = cos
+            self.sin[start:end] = sin
+            self.segments[start:end] = frames + segment
+            start, segment = end, segment + t
+        self.segments[patches:bucket] = -1  # padding: a segment of its own
+        self.pixels[:patches] = pixel_values
+        if self.use_graphs:
+            (self.graphs.get(bucket) or self.capture(bucket)).replay()
+        else:
+            self.step(bucket)
+        merged = patches // self.unit
+        return self.hidden[:patches].clone(), self.merged[:merged].clone(), [part[:merged].clone() for part in self.deepstack]
+
+    def step(self, patches: int) -> None:
+        segments = self.segments[:patches]
+        # Additive, built once per call: SDPA would convert a boolean mask again in each of the blocks.
+        same = segments[:, None] == segments[None, :]
+        mask = torch.zeros(same.shape, dtype=self.dtype, device=same.device).masked_fill_(~same, float("-inf"))
+        with self.mask.fixed_mask(mask):
+            hidden, merged, deepstack = self.tower(
+                self.pixels[:patches], self.positions[:patches], self.cos[:patches], self.sin[:patches], self.one_segment
+            )
+        rows = patches // self.unit
+        self.hidden[:patches] = hidden
+        self.merged[:rows] = merged
+        for buffer, features in zip(self.deepstack, deepstack):
+            buffer[:rows] = features
+
+    def capture(self, patches: int) -> torch.cuda.CUDAGraph:
+        graph = self.capturer.capture(lambda: self.step(patches), name=f"vision ({patches} patches)")
+        self.graphs[patches] = graph
+        return graph
+
+    def tower(self, pixels, positions, cos, sin, cu_seqlens):
+        """The stock vision forward after its table lookups: patch embedding, blocks, DeepStack mergers, merger.
+        Returns (last hidden states, merged tokens, DeepStack features)."""
+        visual = self.visual
+        hidden = visual.patch_embed(pixels) + positions
+        deepstack = []
+        for index, block in enumerate(visual.blocks):
+            hidden = block(hidden, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
+            if index in visual.deepstack_visual_indexes:
+                deepstack.append(visual.deepstack_merger_list[visual.deepstack_visual_indexes.index(index)](hidden))
+        return hidden, visual.merger(hidden), deepstack
+
+    def warmup_keys(self, patch_counts) -> list:
+        return sorted({self.bucket(patches) for patches in patch_counts} - {None}, reverse=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qwen3vl_static.bench import build_models, image_prompt, text_prompt
+from qwen3vl_static.capture_qwen3vl_graph import GraphCapturer
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG
 from qwen3vl_static.kernels_qwen3vl_graph import TorchDecodeOps
 
@@ -19,11 +20,11 @@ def models():
 
 
 def generate(model, prompt, new_tokens, graphs=True, **kwargs):
-    model._runner.use_graphs = graphs
+    model.set_cuda_graphs(graphs)
     try:
         return model.generate(**prompt, max_new_tokens=new_tokens, do_sample=False, **kwargs)
     finally:
-        model._runner.use_graphs = True
+        model.set_cuda_graphs(True)
 
 
 def left_padded(prompt, pads):
@@ -42,12 +43,14 @@ def test_graph_equals_eager_static_path(models):
         text_prompt(ours.config, 1, 200, "cuda", generator),
         left_padded(text_prompt(ours.config, 4, 180, "cuda", generator), [0, 7, 30, 101]),
         image_prompt(ours.config, "cuda", generator),
+        image_prompt(ours.config, "cuda", generator, sides=(448, 224)),  # two segments plus padding patches
     ]
     for prompt in cases:
         graph = generate(ours, prompt, 256)
         eager = generate(ours, prompt, 256, graphs=False)
         assert graph.tolist() == eager.tolist()
-    assert ours._runner.graphs  # the graph path really ran
+    # the graph paths really ran: decode, prefill and vision
+    assert ours._runner.graphs and ours._prefill_runner.graphs and ours.model.visual.runner.graphs
 
 
 def test_torch_ops_graph_equals_eager_and_stays_close_to_the_kernels(models):
@@ -57,13 +60,13 @@ def test_torch_ops_graph_equals_eager_and_stays_close_to_the_kernels(models):
     runner = ours._runner
     prompt = left_padded(text_prompt(ours.config, 4, 150, "cuda", torch.Generator().manual_seed(8)), [0, 3, 40, 77])
     kernel_tokens = generate(ours, prompt, 64)
-    kernel_ops, kernel_graphs, kernel_pool = runner.ops, runner.graphs, runner.pool
-    runner.ops, runner.graphs, runner.pool = TorchDecodeOps, {}, None
+    kernel_ops, kernel_graphs, kernel_capturer = runner.ops, runner.graphs, runner.capturer
+    runner.ops, runner.graphs, runner.capturer = TorchDecodeOps, {}, GraphCapturer()
     try:
         graph = generate(ours, prompt, 64)
         assert graph.tolist() == generate(ours, prompt, 64, graphs=False).tolist()
     finally:
-        runner.ops, runner.graphs, runner.pool = kernel_ops, kernel_graphs, kernel_pool
+        runner.ops, runner.graphs, runner.capturer = kernel_ops, kernel_graphs, kernel_capturer
     same = (graph == kernel_tokens)[:, prompt["input_ids"].shape[1]:].float().mean().item()
     print(f"decode ops {kernel_ops.__name__} vs TorchDecodeOps: {same:.3f} of greedy tokens equal")
 
@@ -115,6 +118,34 @@ def test_teacher_forced_logits_agree_with_stock_forward(models):
     # 92.2% and 96.1%), so it is held against that baseline rather than a fixed number.
     assert agreement(ours_logits) >= agreement(stock_logits) - 0.05, report
     assert delta < 0.25, report
+
+
+def features(output):
+    """(merged tokens, DeepStack features) from the tower's output on any supported transformers."""
+    return (output.pooler_output, output.deepstack_features) if hasattr(output, "pooler_output") else output
+
+
+def relative_error(got, expected):
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.mark.parametrize("sides", [(448,), (448, 224, 448)], ids=["448", "448+224+448"])
+def test_vision_features_and_prefill_logits_match_stock(models, sides):
+    """The graphed vision tower (padded bucket, block-diagonal mask) and graphed prefill vs stock, in bf16."""
+    ours, stock = models
+    prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(9), sides=sides)
+    pixels, grid = prompt["pixel_values"].to(torch.bfloat16), prompt["image_grid_thw"]
+    assert ours.model.visual.runner.bucket(pixels.shape[0]) is not None  # the graph path
+    with torch.no_grad():
+        got, expected = (features(model.model.visual(pixels, grid_thw=grid)) for model in (ours, stock))
+    errors = [relative_error(a, b) for a, b in zip([got[0], *got[1]], [expected[0], *expected[1]], strict=True)]
+    kwargs = dict(max_new_tokens=1, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    logits = ours.generate(**prompt, **kwargs).logits[0]
+    reference = stock.generate(**prompt, **kwargs).logits[0]
+    print(f"relative error: vision merged / deepstack {errors}, prefill logits {relative_error(logits, reference):.4f}")
+    assert max(errors) < 0.02
+    assert relative_error(logits, reference) < 0.02
+    assert ours._prefill_runner.graphs and ours.model.visual.runner.graphs
 
 
 def test_bucket_switch_mid_generation(models):

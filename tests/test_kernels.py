@@ -1,6 +1,8 @@
 """Fused Triton decode kernels against the torch reference ops: on the CPU through TRITON_INTERPRET=1, natively
 on CUDA. Inputs are fresh random values (never zeros) and every output buffer is poisoned before the call."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -18,6 +20,17 @@ Torch, Triton = kernels.TorchDecodeOps, kernels.TritonDecodeOps
 
 def randn(*shape, dtype):
     return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+@contextmanager
+def poisoned_empty():
+    """`torch.empty` returns NaN inside (deterministic mode), for the buffers a launcher allocates itself."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -78,6 +91,51 @@ def test_decode_attention_reads_only_written_unpadded_slots(dtype, kv_len):
 def test_silu_mul(dtype):
     gate_up = randn(3, 2 * 1500, dtype=dtype)
     torch.testing.assert_close(Triton.silu_mul(gate_up), Torch.silu_mul(gate_up), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
+def test_skinny_matmul(dtype, rows, split_k):
+    # N and K are not multiples of the blocks; 3 splits of K = 200 in 32-wide steps leave a short last range.
+    x, weight = randn(rows, 200, dtype=dtype), randn(100, 200, dtype=dtype)
+    config = kernels.SkinnyConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
+    expected = Torch.linear(x, weight)
+    with poisoned_empty():  # the output and the split-K partials
+        out = Triton.skinny_matmul(x, weight, config)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_takes_the_kernel_or_cublas_by_shape(dtype):
+    x, weight = randn(5, 96, dtype=dtype), randn(80, 96, dtype=dtype)
+    # The kernel (CPU), or whichever measured faster (CUDA; not under poisoned_empty: deterministic mode rejects cuBLAS).
+    torch.testing.assert_close(Triton.linear(x, weight), Torch.linear(x, weight), **TOLERANCE[dtype])
+    many, bias = randn(Triton.SKINNY_ROWS + 1, 96, dtype=dtype), randn(80, dtype=dtype)  # cuBLAS: too many rows, a bias
+    torch.testing.assert_close(Triton.linear(many, weight), Torch.linear(many, weight), **TOLERANCE[dtype])
+    torch.testing.assert_close(Triton.linear(x, weight, bias), Torch.linear(x, weight, bias), **TOLERANCE[dtype])
+
+
+@pytest.mark.cuda
+def test_linear_measures_outside_graph_capture_only():
+    """A shape first met during capture runs cuBLAS in that graph; its next use outside capture measures it."""
+    x, weight = randn(3, 320, dtype=torch.bfloat16), randn(192, 320, dtype=torch.bfloat16)  # a shape no other test uses
+    key = (3, 192, 320, torch.bfloat16, x.device)
+    expected = Torch.linear(x, weight)  # also warms cuBLAS up before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = Triton.linear(x, weight)
+    assert key not in Triton.linear_choices
+    graph.replay()
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(Triton.linear(x, weight), expected, **TOLERANCE[torch.bfloat16])
+    assert key in Triton.linear_choices
+
+
+def test_skinny_config_splits_narrow_matrices_only():
+    wide, narrow = Triton.skinny_config(151936, 2048, sms=132), Triton.skinny_config(2048, 6144, sms=132)
+    assert wide.split_k == 1 and narrow.split_k > 1
+    assert 6144 // narrow.split_k >= 2 * narrow.block_k  # every K range takes at least two steps
 
 
 def test_ops_selection():

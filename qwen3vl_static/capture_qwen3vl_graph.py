@@ -1,0 +1,51 @@
+"""GraphCapturer: how every CUDA graph of a model is captured (vision tower, prefill, decode step).
+
+All graphs share one memory pool, so a model pays for the largest graph's scratch memory once, not per graph.
+That is safe because graphs are replayed one at a time (`generate` holds a lock) and no graph keeps an output
+in pool memory: each step writes its results into its runner's own static buffers.
+"""
+
+import time
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+
+class GraphCapturer:
+    def __init__(self):
+        self.pool = None
+        self.stream = None  # one side stream: each new stream would get its own cuBLAS workspace
+
+    def capture(self, step, state=(), name: str = "graph") -> torch.cuda.CUDAGraph:
+        """Capture `step()` (no arguments, static buffers only) after two warm-up runs on the side stream.
+
+        Warm-up runs execute for real: the tensors in `state` (what `step` advances) and the CUDA RNG are
+        restored afterwards, so capturing leaves no trace in a request.
+        """
+        began = time.perf_counter()
+        saved = [tensor.clone() for tensor in state]
+        rng = torch.cuda.get_rng_state()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        for tensor, value in zip(state, saved):
+            tensor.copy_(value)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            step()
+        torch.cuda.set_rng_state(rng)
+        seconds = time.perf_counter() - began
+        message = f"Captured the {name} graph in {seconds:.2f} s"
+        if seconds > 1:  # the first capture compiles the Triton kernels (Triton caches them on disk)
+            logger.warning(f"{message}, kernel compilation included; model.warmup() does this ahead of requests.")
+        else:
+            logger.info(message)
+        return graph

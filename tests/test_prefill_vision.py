@@ -1,0 +1,97 @@
+"""The prefill and vision runners: their padded, graph-shaped path (what CUDA runs) equals stock on the CPU."""
+
+import pytest
+import torch
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from conftest import build, chat, image
+from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
+from qwen3vl_static.prefill_qwen3vl_graph import PrefillRunner
+from qwen3vl_static.presets import tiny_config, tiny_config_dict
+from qwen3vl_static.vision_qwen3vl_graph import VisionRunner
+
+ONE_IMAGE = ([[chat("image", "What is in the picture?")]], {"images": [image(64, 96)]})
+TWO_IMAGES = ([[chat("image", "and", "image", "compare them")]], {"images": [image(64, 64), image(32, 64, "blue")]})
+MIXED_BATCH = (
+    [[chat("video", "What is it?")], [chat("Hi")], [chat("image", "Describe it, please.")]],
+    {"images": [image(64, 32)], "video_grids": [(2, 4, 4)]},
+)
+TEXT = ([[chat("Describe a cat in one line.")]], {})
+
+
+@pytest.fixture(scope="module")
+def padded_pair():
+    """(ours with runners that pad to buckets, as on CUDA but without graphs; stock), same weights, fp32."""
+    torch.manual_seed(0)
+    config = tiny_config(static_cache_len=160, max_batch_size=4, prefill_graph_tokens=512, vision_graph_patches=128)
+    ours = Qwen3VLGraphForConditionalGeneration(config).eval()
+    stock = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval()
+    stock.load_state_dict(ours.state_dict())
+    cache = ours.static_cache()
+    runner = ours._runner
+    ours._prefill_runner = PrefillRunner(
+        ours, cache, runner.ops, (runner.qkv_weights, runner.gate_up_weights), runner.batch_buckets,
+        config.prompt_buckets(), config.prefill_graph_tokens, runner.capturer, use_graphs=False, bucketed=True,
+    )
+    visual = ours.model.visual
+    visual.runner = VisionRunner(
+        visual, ours._vision_mask, config.patch_buckets(), 2, runner.capturer, use_graphs=False, bucketed=True
+    )
+    return ours, stock
+
+
+def test_buckets_never_exceed_the_cache(padded_pair):
+    ours, _ = padded_pair
+    prefill = ours._prefill_runner
+    assert prefill.token_buckets == [16, 32, 64, 128]  # 256 and 512 would write past the 160 slots
+    assert prefill.bucket(1, 50) == (1, 64) and prefill.bucket(3, 50) == (4, 64)
+    assert prefill.bucket(1, 129) is None  # longer prompts run at their exact size
+    assert ours.model.visual.runner.bucket(24) == 128 and ours.model.visual.runner.bucket(129) is None
+
+
+@pytest.mark.parametrize("case", [TEXT, ONE_IMAGE, TWO_IMAGES, MIXED_BATCH], ids=["text", "image", "two-images", "mixed"])
+def test_padded_prefill_and_vision_generate_like_stock(padded_pair, case):
+    ours, stock = padded_pair
+    model_inputs = build(case)
+    expected = stock.generate(**model_inputs, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    got = ours.generate(**model_inputs, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert got.sequences.tolist() == expected.sequences.tolist()
+    torch.testing.assert_close(got.logits[0], expected.logits[0], rtol=1e-4, atol=1e-4)  # the prefill's logits
+
+
+def test_padded_vision_features_equal_stock(padded_pair):
+    """Padding patches (a segment of their own) change nothing: merged and DeepStack features match stock."""
+    ours, stock = padded_pair
+    model_inputs = build(TWO_IMAGES)
+    pixels, grid = model_inputs["pixel_values"], model_inputs["image_grid_thw"]
+    runner = ours.model.visual.runner
+    assert runner.bucket(pixels.shape[0]) > pixels.shape[0]  # really padded
+    with torch.no_grad():
+        got = ours.model.visual(pixels, grid_thw=grid)
+        expected = stock.model.visual(pixels, grid_thw=grid)
+    got_merged, got_deepstack = (got.pooler_output, got.deepstack_features) if hasattr(got, "pooler_output") else got
+    merged, deepstack = (expected.pooler_output, expected.deepstack_features) if hasattr(expected, "pooler_output") else expected
+    torch.testing.assert_close(got_merged, merged, rtol=1e-5, atol=1e-5)
+    assert len(got_deepstack) == len(deepstack) == len(ours.config.vision_config.deepstack_visual_indexes) > 0
+    for got_layer, layer in zip(got_deepstack, deepstack):
+        torch.testing.assert_close(got_layer, layer, rtol=1e-5, atol=1e-5)
+
+
+def test_vision_tables_are_cached_with_a_bound(padded_pair):
+    ours, _ = padded_pair
+    runner = ours.model.visual.runner
+    runner.tables.clear()
+    for grid in [(1, 4, 4), (1, 4, 8), (1, 4, 4), (1, 8, 8)]:
+        runner.table(grid)
+    assert list(runner.tables) == [(1, 4, 4), (1, 8, 8)]  # bound 2, least recently used dropped
+
+
+def test_pixels_not_matching_the_grid_raise_a_clear_error(padded_pair):
+    ours, stock = padded_pair
+    model_inputs = build(ONE_IMAGE)
+    model_inputs["pixel_values"] = model_inputs["pixel_values"][:-4]
+    with pytest.raises(ValueError, match="pixel values hold 20 patches but grid_thw"):
+        ours.generate(**model_inputs, max_new_tokens=4, do_sample=False)
+    model_inputs = build(ONE_IMAGE)  # and the model still generates like stock
+    expected = stock.generate(**model_inputs, max_new_tokens=6, do_sample=False)
+    assert ours.generate(**model_inputs, max_new_tokens=6, do_sample=False).tolist() == expected.tolist()
