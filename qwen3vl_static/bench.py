@@ -18,6 +18,7 @@ import torch
 import transformers
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
 from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
 from .presets import REAL_2B_DIR, real_2b_config
 
@@ -64,7 +65,7 @@ def image_prompt(config, device, generator, sides=(448,), question=30):
     return {
         "input_ids": ids.to(device),
         "attention_mask": torch.ones_like(ids).to(device),
-        "mm_token_type_ids": (ids == config.image_token_id).int().to(device),
+        **({"mm_token_type_ids": (ids == config.image_token_id).int().to(device)} if TAKES_MM_TOKEN_TYPE_IDS else {}),
         "pixel_values": torch.randn(patches, patch_dim, generator=generator).to(device),
         "image_grid_thw": torch.tensor([[1, grid, grid] for grid in grids], device=device),
     }
@@ -113,26 +114,32 @@ def best_ms(call, repeats=5) -> float:
 
 
 @contextmanager
-def stage_times(model):
-    """Synchronized wall time of the vision tower, the M-RoPE index and the prefill inside `generate` calls."""
-    spans = {}
-    stages = {"vision_ms": (model.model.visual.runner, "encode"), "prefill_ms": (model._prefill_runner, "run"),
-              "rope_index_ms": (model.model, "get_rope_index")}
+def instrumented(stages: dict):
+    """Wrap methods `{name: (owner, attribute)}` for the duration: each call's synchronized wall time is added up
+    under `times[name]` (ms) and its arguments kept as `arguments[name]`."""
+    times, arguments = {}, {}
     for name, (owner, attribute) in stages.items():
         def timed(*args, _call=getattr(owner, attribute), _name=name, **kwargs):
             torch.cuda.synchronize()
             began = time.perf_counter()
             result = _call(*args, **kwargs)
             torch.cuda.synchronize()
-            spans[_name] = spans.get(_name, 0.0) + 1000 * (time.perf_counter() - began)
+            times[_name] = times.get(_name, 0.0) + 1000 * (time.perf_counter() - began)
+            arguments[_name] = (args, kwargs)
             return result
 
         setattr(owner, attribute, timed)  # an instance attribute over the method, removed below
     try:
-        yield spans
+        yield times, arguments
     finally:
         for owner, attribute in stages.values():
             delattr(owner, attribute)
+
+
+def generate_stages(model) -> dict:
+    """The parts of a `generate` call that TTFT is split into."""
+    return {"vision_ms": (model.model.visual.runner, "encode"), "prefill_ms": (model._prefill_runner, "run"),
+            "rope_index_ms": (model.model, "get_rope_index")}
 
 
 def ttft_breakdown(ours, stock, prompts) -> list:
@@ -146,11 +153,11 @@ def ttft_breakdown(ours, stock, prompts) -> list:
                "vision_bucket": runner.bucket(pixels.shape[0]),
                "prefill_bucket": ours._prefill_runner.bucket(1, prompt["input_ids"].shape[1])}
         row["ttft_ms"] = best_ms(lambda: timed_generate(ours, prompt, 1))
-        with stage_times(ours) as spans:
-            instrumented = best_ms(lambda: timed_generate(ours, prompt, 1), repeats=1)
+        with instrumented(generate_stages(ours)) as (spans, _):
+            total = best_ms(lambda: timed_generate(ours, prompt, 1), repeats=1)
         spans = {key: value / 2 for key, value in spans.items()}  # best_ms made two calls
         row.update(spans)
-        row["other_ms"] = instrumented - sum(spans.values())  # generate's own host work, first token, syncs
+        row["other_ms"] = total - sum(spans.values())  # generate's own host work, first token, syncs
         with torch.no_grad():
             row["vision_tower_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
             runner.bucketed = False
@@ -166,30 +173,44 @@ def ttft_breakdown(ours, stock, prompts) -> list:
     return rows
 
 
-def kernel_breakdown(model):
-    """GPU time per replayed greedy decode step (batch 1), by kernel class and for the top kernels."""
-    runner = model._runner
-    steps = runner.steps_per_sync
-    classes = {
-        "gemv/gemm": ("gemv", "gemm", "xmma", "cutlass", "nvjet", "splitk"),
-        "attention": ("attention", "fmha", "flash", "sdpa", "softmax"),
-        "indexing": ("index", "scatter", "gather"),
-        "argmax/sampling": ("argmax", "argmin", "sort", "exponential"),
-        "norm/rope/elementwise": ("elementwise", "vectorized", "reduce", "norm", "cat", "copy", "roll"),
-    }
+KERNEL_CLASSES = {
+    "gemv/gemm": ("gemv", "gemm", "xmma", "cutlass", "nvjet", "splitk", "skinny_matmul", "sum_splits"),
+    "attention": ("attention", "fmha", "flash", "sdpa", "softmax"),
+    "indexing": ("index", "scatter", "gather"),
+    "argmax/sampling": ("argmax", "argmin", "sort", "exponential"),
+    "norm/rope/elementwise": ("elementwise", "vectorized", "reduce", "norm", "cat", "copy", "roll", "silu", "gelu"),
+}
+
+
+def kernel_profile(call, calls=1) -> dict:
+    """GPU time of `call()` per call, by kernel class and for the top kernels."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        runner.token_steps(runner.input_ids[:1, 0].clone(), steps, "greedy")
+        call()
         torch.cuda.synchronize()
     by_class, by_kernel = {}, {}
     for event in prof.key_averages():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        ms = event.device_time_total / 1000 / steps
-        kind = next((label for label, keys in classes.items() if any(key in event.key.lower() for key in keys)), "other")
+        ms = event.device_time_total / 1000 / calls
+        kind = next((label for label, keys in KERNEL_CLASSES.items() if any(key in event.key.lower() for key in keys)), "other")
         by_class[kind] = by_class.get(kind, 0.0) + ms
-        by_kernel[f"{event.key[:90]} (x{event.count // steps})"] = ms
+        by_kernel[f"{event.key[:90]} (x{event.count // calls})"] = ms
     top = dict(sorted(by_kernel.items(), key=lambda item: -item[1])[:15])
-    return {"ms_per_step_by_class": by_class, "top_kernels_ms_per_step": top, "steps_profiled": steps}
+    return {"gpu_ms_total": sum(by_class.values()), "ms_by_class": by_class, "top_kernels_ms": top}
+
+
+def kernel_breakdown(model, image) -> dict:
+    """Where the GPU time goes: one greedy decode step (batch 1), and the vision tower and prefill of `image`."""
+    runner = model._runner
+    steps = runner.steps_per_sync
+    decode = kernel_profile(lambda: runner.token_steps(runner.input_ids[:1, 0].clone(), steps, "greedy"), steps)
+    with instrumented(generate_stages(model)) as (_, arguments):  # the runners' arguments in a real call
+        timed_generate(model, image, 1)
+    with torch.no_grad():
+        profiles = {name: kernel_profile(lambda: getattr(owner, attribute)(*arguments[f"{name}_ms"][0]))
+                    for name, (owner, attribute) in (("vision", (model.model.visual.runner, "encode")),
+                                                     ("prefill", (model._prefill_runner, "run")))}
+    return {"decode_step_batch1": decode, "vision_tower": profiles["vision"], "prefill": profiles["prefill"]}
 
 
 def run(args) -> dict:
@@ -216,7 +237,7 @@ def run(args) -> dict:
         row.update(warmup_s=warmup_s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
     cache_gb = sum(t.numel() * t.element_size() for t in ours._static_cache.full_keys + ours._static_cache.full_values) / 2**30
     buffers_gb = ours._runner.buffer_bytes() / 2**30
-    breakdown = kernel_breakdown(ours)
+    breakdown = kernel_breakdown(ours, image)
     ttft = ttft_breakdown(ours, stock, ttft_prompts)
 
     systems = [("hf_eager", {})]
@@ -260,7 +281,7 @@ def run(args) -> dict:
         "static_buffers_gb": buffers_gb,
         "graph_pool_reserved_gb_after_warmup": graph_pool_gb,
         "graph_equals_eager_static_path": graph_equals_eager_static,
-        "decode_profile_batch1": breakdown,
+        "gpu_profile": breakdown,
         "ttft_breakdown": ttft,
         "results": results,
     }
@@ -278,7 +299,7 @@ def report(summary, out_dir: Path) -> Path:
     print(" | ".join(columns))
     for row in summary["results"]:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns))
-    print("decode profile (batch 1):", json.dumps(summary["decode_profile_batch1"], indent=1))
+    print("GPU profile (448x448 image prompt):", json.dumps(summary["gpu_profile"], indent=1))
     print("time to first token:", json.dumps(summary["ttft_breakdown"], indent=1))
     print(f"kv cache {summary['kv_cache_gb']:.3f} GB, static buffers {summary['static_buffers_gb']:.3f} GB, "
           f"graph pool after warmup {summary['graph_pool_reserved_gb_after_warmup']:.3f} GB")

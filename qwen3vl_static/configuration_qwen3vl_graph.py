@@ -4,6 +4,9 @@ A subclass of the stock `Qwen3VLConfig` with its own `model_type`, so a checkpoi
 package can never load silently into the stock class when `trust_remote_code=True` is forgotten.
 """
 
+import dataclasses
+
+from transformers import GenerationConfig
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 
 from .compat_qwen3vl_graph import portable_config_dict
@@ -41,7 +44,7 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             Largest prompt (batch bucket x token bucket, in tokens) whose language-model prefill is padded to
             power-of-two token buckets (from 16) and replayed as a CUDA graph; larger prompts run the same prefill
             eagerly at their exact size. 0 turns prefill graphs off.
-        vision_graph_patches (`int`, defaults to 4096):
+        vision_graph_patches (`int`, defaults to 2048):
             Largest vision input (all images and videos of one call, in patches) that is padded to power-of-two
             patch buckets (from 256) and replayed as a CUDA graph; larger inputs run eagerly at their exact size.
             0 turns vision graphs off. Must be a multiple of `spatial_merge_size**2`.
@@ -67,7 +70,7 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     graph_cache_lengths: list[int] | None = None
     steps_per_sync: int = 8
     prefill_graph_tokens: int = 2048
-    vision_graph_patches: int = 4096
+    vision_graph_patches: int = 2048
     vision_table_cache_size: int = 16
     patch_embed_mode: str = "gemm"
     allow_tf32: bool = False
@@ -91,6 +94,17 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
                 f"vision_graph_patches must be a multiple of spatial_merge_size**2 = {unit} (whole merged tokens), "
                 f"got {self.vision_graph_patches}"
             )
+
+    def _get_generation_parameters(self) -> dict:
+        """Generation settings left in the model config (generate refuses them), found as transformers 5.24 finds them:
+        from the declared fields. 5.17 - 5.23 instead build a whole default config, sub-configs included, on every
+        `generate` call: several milliseconds of a short request's latency. (4.57 does not call this.)"""
+        declared = {field.name for field in dataclasses.fields(self)}
+        return {
+            key: getattr(self, key)
+            for key in GenerationConfig._get_default_generation_params()
+            if key != "use_cache" and getattr(self, key, None) is not None and key not in declared
+        }
 
     def to_dict(self) -> dict:
         return portable_config_dict(super().to_dict())

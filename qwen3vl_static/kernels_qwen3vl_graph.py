@@ -351,12 +351,12 @@ class TritonDecodeOps(TorchDecodeOps):
         """The skinny matmul's tiling for an (N, K) weight on `sms` SMs: one rule, so few compiled variants.
 
         A GEMV is as fast as the weight bytes it keeps in flight. Each program streams `block_n` x `block_k` tiles
-        through a 4-stage pipeline (two programs fit an SM); a matrix with fewer than two column tiles per SM also
-        splits K (doubling, while each range keeps at least two K steps), its float32 partials summed by a second
-        kernel.
+        through a 4-stage pipeline; a matrix with fewer column tiles than SMs also splits K (doubling, while each
+        range keeps at least two K steps), its float32 partials summed by a second kernel. Measured on an H200
+        (bench/results/*gemv-probe.json), aiming at two programs per SM split too far: one per SM was faster.
         """
         tiles, split = triton.cdiv(n, block_n), 1
-        while tiles * split < 2 * sms and k >= 4 * split * block_k:
+        while tiles * split < sms and k >= 4 * split * block_k:
             split *= 2
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 

@@ -1,5 +1,6 @@
 """GPU checks on the real Qwen3-VL-2B shapes with random bf16 weights (skipped without CUDA)."""
 
+import copy
 import threading
 
 import pytest
@@ -85,13 +86,17 @@ def test_teacher_forced_logits_agree_with_stock_forward(models):
     out = ours.generate(**prompt, **kwargs)
     sequence = out.sequences[:, :-1]
     pixels = {k: v for k, v in prompt.items() if k in ("pixel_values", "image_grid_thw")}
-    mm = torch.cat([prompt["mm_token_type_ids"], torch.zeros_like(sequence[:, prompt_len:], dtype=torch.int)], 1)
+    if "mm_token_type_ids" in prompt:  # transformers 5.x
+        mm = torch.cat([prompt["mm_token_type_ids"], torch.zeros_like(sequence[:, prompt_len:], dtype=torch.int)], 1)
+        pixels.update(mm_token_type_ids=mm)
     with torch.no_grad():
-        reference = stock(input_ids=sequence, mm_token_type_ids=mm, **pixels).logits[:, prompt_len - 1 :].float()
+        reference = stock(input_ids=sequence, **pixels).logits[:, prompt_len - 1 :].float()
     reference = reference.log_softmax(-1)
     # Baseline: the stock model decoding the same tokens one at a time with its own cache.
+    if "mm_token_type_ids" in prompt:
+        pixels.update(mm_token_type_ids=prompt["mm_token_type_ids"])
     with torch.no_grad():
-        step = stock(input_ids=sequence[:, :prompt_len], mm_token_type_ids=prompt["mm_token_type_ids"], **pixels, use_cache=True)
+        step = stock(input_ids=sequence[:, :prompt_len], **pixels, use_cache=True)
         stock_steps = [step.logits[:, -1].float()]
         for position in range(prompt_len, sequence.shape[1]):
             step = stock(input_ids=sequence[:, position : position + 1], use_cache=True, **{CACHE_KWARG: getattr(step, CACHE_KWARG)})
@@ -131,20 +136,25 @@ def relative_error(got, expected):
 
 @pytest.mark.parametrize("sides", [(448,), (448, 224, 448)], ids=["448", "448+224+448"])
 def test_vision_features_and_prefill_logits_match_stock(models, sides):
-    """The graphed vision tower (padded bucket, block-diagonal mask) and graphed prefill vs stock, in bf16."""
+    """The graphed vision tower (padded bucket, block-diagonal mask) and graphed prefill, in bf16, are as close to a
+    float32 reference as stock bf16 is: "within bf16 tolerance", measured rather than guessed."""
     ours, stock = models
     prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(9), sides=sides)
-    pixels, grid = prompt["pixel_values"].to(torch.bfloat16), prompt["image_grid_thw"]
+    pixels, grid = prompt["pixel_values"], prompt["image_grid_thw"]
     assert ours.model.visual.runner.bucket(pixels.shape[0]) is not None  # the graph path
-    with torch.no_grad():
-        got, expected = (features(model.model.visual(pixels, grid_thw=grid)) for model in (ours, stock))
-    errors = [relative_error(a, b) for a, b in zip([got[0], *got[1]], [expected[0], *expected[1]], strict=True)]
+    reference = copy.deepcopy(stock).float()
     kwargs = dict(max_new_tokens=1, do_sample=False, return_dict_in_generate=True, output_logits=True)
-    logits = ours.generate(**prompt, **kwargs).logits[0]
-    reference = stock.generate(**prompt, **kwargs).logits[0]
-    print(f"relative error: vision merged / deepstack {errors}, prefill logits {relative_error(logits, reference):.4f}")
-    assert max(errors) < 0.02
-    assert relative_error(logits, reference) < 0.02
+    with torch.no_grad():
+        vision = [features(model.model.visual(pixels.to(model.dtype), grid_thw=grid)) for model in (ours, stock, reference)]
+    logits = [model.generate(**prompt, **kwargs).logits[0] for model in (ours, stock, reference)]
+    del reference
+    errors = {}
+    for name, (got, expected, exact) in {"merged": [v[0] for v in vision], "logits": logits,
+                                         **{f"deepstack{i}": [v[1][i] for v in vision] for i in range(len(vision[0][1]))}}.items():
+        errors[name] = (relative_error(got, exact), relative_error(expected, exact))
+    print("relative error vs float32 (ours, stock bf16):", {k: tuple(round(e, 4) for e in v) for k, v in errors.items()})
+    for name, (ours_error, stock_error) in errors.items():
+        assert ours_error <= 2 * stock_error + 1e-3, (name, ours_error, stock_error)
     assert ours._prefill_runner.graphs and ours.model.visual.runner.graphs
 
 
