@@ -94,7 +94,7 @@ def measure(system, model, prompts, image, **kwargs):
                      "tokens": long_out})
     timed_generate(model, image, 1, **kwargs)
     ttft = min(timed_generate(model, image, 1, **kwargs)[1] for _ in range(5))
-    image_out, e2e = timed_generate(model, image, 128, **kwargs)
+    image_out, e2e = min((timed_generate(model, image, 128, **kwargs) for _ in range(3)), key=lambda run: run[1])
     rows.append({"system": system, "batch_size": 1, "context_tokens": image["input_ids"].shape[1],
                  "new_tokens": 128, "ttft_ms": 1000 * ttft, "e2e_tokens_per_s": 128 / e2e, "tokens": image_out})
     return rows

@@ -61,6 +61,7 @@ class DecodeRunner:
         self.input_ids = zeros(rows, 1)
         self.positions = zeros(3, rows, 1)
         self.cache_lens = zeros(rows)
+        self.row_ids = torch.arange(rows, device=device)  # each row writes its own cache row
         self.attendable = torch.ones(rows, slots, dtype=torch.bool, device=device)
         self.logits = zeros(rows, vocab, dtype=torch.float32)
         self.temperature = torch.ones(rows, device=device)
@@ -207,7 +208,7 @@ class DecodeRunner:
             attn, norm = layer.self_attn, layer.post_attention_layernorm
             q = ops.qk_norm_rope_write(
                 ops.linear(x, qkv_weight), attn.config.num_attention_heads, attn.q_norm.weight, attn.k_norm.weight,
-                attn.q_norm.variance_epsilon, rotary, keys, values, cache_lens,
+                attn.q_norm.variance_epsilon, rotary, keys, values, self.row_ids[:rows], cache_lens,
             )
             out = ops.decode_attention(q, keys, values, context, kv_len, attn.scaling)
             attn_out = ops.linear(out, attn.o_proj.weight, attn.o_proj.bias)

@@ -15,6 +15,7 @@ from collections import namedtuple
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
 from transformers.utils import logging
 
 try:
@@ -91,9 +92,10 @@ class TorchDecodeOps:
         return hidden, cls.rms_norm(hidden, weight, eps)
 
     @staticmethod
-    def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_lens):
-        """QK-norm and rotary embedding of the fused QKV output `(rows, (Hq + 2 Hkv) * D)`; writes K and V into
-        the cache at each row's slot `cache_lens[row]` and returns the queries `(rows, Hq, D)`."""
+    def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots):
+        """QK-norm and rotary embedding of the fused QKV output `(rows, (Hq + 2 Hkv) * D)`, one token per row; writes
+        each row's K and V into the cache at `[cache_rows[row], :, cache_slots[row]]` and returns the queries
+        `(rows, Hq, D)`. Decoding writes one token of each sequence; prefill writes all tokens of the prompt."""
         rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
         qkv = qkv.view(rows, -1, head_dim)
         qk = F.rms_norm(qkv[:, : heads + kv_heads], (head_dim,), eps=eps)
@@ -101,10 +103,18 @@ class TorchDecodeOps:
         qk[:, heads:] *= k_weight
         cos, signed_sin = rotary
         qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), signed_sin)
-        row_ids = torch.arange(rows, device=qkv.device)
-        keys[row_ids, :, cache_lens] = qk[:, heads:]
-        values[row_ids, :, cache_lens] = qkv[:, heads + kv_heads :]
+        keys[cache_rows, :, cache_slots] = qk[:, heads:]
+        values[cache_rows, :, cache_slots] = qkv[:, heads + kv_heads :]
         return qk[:, :heads]
+
+    @staticmethod
+    def vision_qkv_rope(qkv, heads, cos, sin):
+        """The vision attention's fused QKV output `(N, 3 H D)` -> q, k, v `(1, H, N, D)` for SDPA, q and k rotated
+        in float32 and rounded once (stock `apply_rotary_pos_emb_vision`); `cos`/`sin` are `(N, D)`."""
+        length = qkv.shape[0]
+        q, k, v = qkv.reshape(length, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+        return tuple(states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))
 
     @staticmethod
     def decode_attention(q, keys, values, context, kv_len, scale):
@@ -159,8 +169,34 @@ if triton is not None:
         return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
     @triton.jit
+    def _rope_store(source, out, c1, c2, s1, s2, HEAD_DIM: tl.constexpr):
+        """Rotate one head by float32 tables (`rotate_half` convention) and store it rounded once."""
+        half = tl.arange(0, HEAD_DIM // 2)
+        x1 = tl.load(source + half).to(tl.float32)
+        x2 = tl.load(source + HEAD_DIM // 2 + half).to(tl.float32)
+        tl.store(out + half, (x1 * c1 - x2 * s1).to(out.dtype.element_ty))
+        tl.store(out + HEAD_DIM // 2 + half, (x2 * c2 + x1 * s2).to(out.dtype.element_ty))
+
+    @triton.jit
+    def _vision_qkv_rope_kernel(qkv, cos, sin, q_out, k_out, v_out, length, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """One (patch, head): q and k rotated in float32 and rounded once, v copied; all three to `(H, N, D)`."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        half = tl.arange(0, HEAD_DIM // 2)
+        c1 = tl.load(cos + row * HEAD_DIM + half)
+        c2 = tl.load(cos + row * HEAD_DIM + HEAD_DIM // 2 + half)
+        s1 = tl.load(sin + row * HEAD_DIM + half)
+        s2 = tl.load(sin + row * HEAD_DIM + HEAD_DIM // 2 + half)
+        source = qkv + row * 3 * HEADS * HEAD_DIM + head * HEAD_DIM
+        target = (head * length + row) * HEAD_DIM
+        _rope_store(source, q_out + target, c1, c2, s1, s2, HEAD_DIM)
+        _rope_store(source + HEADS * HEAD_DIM, k_out + target, c1, c2, s1, s2, HEAD_DIM)
+        dims = tl.arange(0, HEAD_DIM)
+        tl.store(v_out + target + dims, tl.load(source + 2 * HEADS * HEAD_DIM + dims))
+
+    @triton.jit
     def _qk_norm_rope_write_kernel(
-        qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_lens, eps,
+        qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, eps,
         stride_cache_row, stride_cache_head, stride_cache_slot,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
@@ -180,8 +216,8 @@ if triton is not None:
             tl.store(out + HEAD_DIM // 2 + half, y2.to(q_out.dtype.element_ty))
         else:
             y1, y2 = _norm_rope(base, k_weight, cos_row, sin_row, rstd, HEAD_DIM)
-            slot = tl.load(cache_lens + row)
-            offset = row * stride_cache_row + (head - HEADS) * stride_cache_head + slot * stride_cache_slot
+            slot = tl.load(cache_slots + row)
+            offset = tl.load(cache_rows + row) * stride_cache_row + (head - HEADS) * stride_cache_head + slot * stride_cache_slot
             tl.store(keys + offset + half, y1.to(keys.dtype.element_ty))
             tl.store(keys + offset + HEAD_DIM // 2 + half, y2.to(keys.dtype.element_ty))
             tl.store(values + offset + dims, tl.load(base + KV_HEADS * HEAD_DIM + dims))  # value head: KV_HEADS heads on
@@ -406,16 +442,25 @@ class TritonDecodeOps(TorchDecodeOps):
         return total, out
 
     @staticmethod
-    def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_lens):
+    def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots):
         rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
         q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         cos, sin = rotary
         _qk_norm_rope_write_kernel[(rows, heads + kv_heads)](
-            qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_lens, eps,
+            qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, eps,
             keys.stride(0), keys.stride(1), keys.stride(2),
             HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
         return q
+
+    @staticmethod
+    def vision_qkv_rope(qkv, heads, cos, sin):
+        length, head_dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
+        q, k, v = torch.empty(3, 1, heads, length, head_dim, dtype=qkv.dtype, device=qkv.device)
+        _vision_qkv_rope_kernel[(length, heads)](
+            qkv, cos.float().contiguous(), sin.float().contiguous(), q, k, v, length, HEADS=heads, HEAD_DIM=head_dim
+        )
+        return q, k, v
 
     @classmethod
     def decode_attention(cls, q, keys, values, context, kv_len, scale):

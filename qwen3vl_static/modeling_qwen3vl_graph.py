@@ -69,7 +69,9 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         )
         self._vision_mask = BlockDiagonalMask()
         for block in visual.blocks:
-            block.attn = _same_weights(Qwen3VLGraphVisionAttention(config.vision_config, self._vision_mask), block.attn)
+            block.attn = _same_weights(
+                Qwen3VLGraphVisionAttention(config.vision_config, self._vision_mask, config.use_triton_kernels), block.attn
+            )
         if config.allow_tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True

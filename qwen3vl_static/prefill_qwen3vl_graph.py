@@ -17,7 +17,6 @@ import bisect
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb
 
 
 class PrefillRunner:
@@ -127,35 +126,36 @@ class PrefillRunner:
         is_visual = (modality != 0)[..., None]
         hidden = torch.where(is_visual, visual[order], hidden)
         cos, sin = text.rotary_emb(hidden, positions)
+        tokens = rows * size
+        rotary = ops.rotary(cos.view(tokens, 1, -1), sin.view(tokens, 1, -1))  # shared by all layers
         slots = torch.arange(size, device=input_ids.device)
+        cache_rows, cache_slots = torch.arange(rows, device=slots.device).repeat_interleave(size), slots.repeat(rows)
         causal = slots[:, None] >= slots[None, :]
         mask = (causal & valid[:, None, :]) | (slots[:, None] == slots[None, :])
         mask = mask[:, None]  # (rows, 1, size, size)
-        hidden = hidden.view(rows * size, -1)
+        hidden = hidden.view(tokens, -1)
         norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]
         first = text.layers[0].input_layernorm
         x = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
         layers = zip(text.layers, norms, self.cache.full_keys, self.cache.full_values, self.qkv_weights, self.gate_up_weights)
         for index, (layer, next_norm, keys, values, qkv_weight, gate_up_weight) in enumerate(layers):
             attn, norm = layer.self_attn, layer.post_attention_layernorm
-            heads, kv_heads, head_dim = attn.config.num_attention_heads, keys.shape[1], keys.shape[-1]
-            q, k, v = F.linear(x, qkv_weight).view(rows, size, -1, head_dim).split([heads, kv_heads, kv_heads], dim=2)
-            q = F.rms_norm(q, (head_dim,), attn.q_norm.weight, attn.q_norm.variance_epsilon).transpose(1, 2)
-            k = F.rms_norm(k, (head_dim,), attn.k_norm.weight, attn.k_norm.variance_epsilon).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            v = v.transpose(1, 2)
-            keys[:rows, :, :size] = k
-            values[:rows, :, :size] = v
-            group = heads // kv_heads  # K/V heads repeated for the query heads, as stock `repeat_kv` does
-            out = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask, scale=attn.scaling
+            heads, kv_heads = attn.config.num_attention_heads, keys.shape[1]
+            # The same fused QK-norm / rotary / cache-write op as a decode step, over every token of the prompt.
+            q = ops.qk_norm_rope_write(
+                F.linear(x, qkv_weight), heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon,
+                rotary, keys, values, cache_rows, cache_slots,
             )
-            out = out.transpose(1, 2).reshape(rows * size, -1)
+            q = q.view(rows, size, heads, -1).transpose(1, 2)
+            group = heads // kv_heads  # K/V heads repeated for the query heads, as stock `repeat_kv` does
+            k, v = (cache[:rows, :, :size].repeat_interleave(group, dim=1) for cache in (keys, values))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+            out = out.transpose(1, 2).reshape(tokens, -1)
             hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon)
             mlp_out = layer.mlp.down_proj(ops.silu_mul(F.linear(x, gate_up_weight)))
             if index < len(deepstack):  # DeepStack: visual features of a vision layer join the residual stream
                 hidden = hidden + mlp_out
-                added = torch.where(is_visual, deepstack[index][order], 0).view(rows * size, -1)
+                added = torch.where(is_visual, deepstack[index][order], 0).view(tokens, -1)
                 hidden = hidden + added
                 x = ops.rms_norm(hidden, next_norm.weight, next_norm.variance_epsilon)
             else:

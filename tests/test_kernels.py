@@ -44,25 +44,39 @@ def test_rms_norm_and_add_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope_write_touches_only_each_rows_slot(dtype):
+@pytest.mark.parametrize("cache_rows", [[0, 1, 2], [2, 0, 2]], ids=["decode", "prefill-like"])
+def test_qk_norm_rope_write_touches_only_each_rows_slot(dtype, cache_rows):
+    """Decoding writes one token per cache row; prefill writes several tokens of one row (any row -> slot map)."""
     rows, heads, kv_heads, dim, slots = 3, 4, 2, 32, 40
     qkv = randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
     q_weight, k_weight = randn(dim, dtype=dtype), randn(dim, dtype=dtype)
     cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
-    cache_lens = torch.tensor([0, 17, 39], device=DEVICE)
+    cache_rows, cache_slots = torch.tensor(cache_rows, device=DEVICE), torch.tensor([0, 17, 39], device=DEVICE)
     results = []
     for ops in (Torch, Triton):
         keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
         values = torch.full_like(keys, float("nan"))
-        q = ops.qk_norm_rope_write(qkv, heads, q_weight, k_weight, 1e-6, ops.rotary(cos, sin), keys, values, cache_lens)
+        rotary = ops.rotary(cos, sin)
+        q = ops.qk_norm_rope_write(qkv, heads, q_weight, k_weight, 1e-6, rotary, keys, values, cache_rows, cache_slots)
         results.append((q, keys, values))
     (q_ref, k_ref, v_ref), (q, k, v) = results
     torch.testing.assert_close(q, q_ref, **TOLERANCE[dtype])
     written = torch.zeros(rows + 1, slots, dtype=torch.bool, device=DEVICE)
-    written[torch.arange(rows), cache_lens] = True
+    written[cache_rows, cache_slots] = True
     assert k.transpose(1, 2)[~written].isnan().all() and v.transpose(1, 2)[~written].isnan().all()  # nothing else written
     torch.testing.assert_close(k.transpose(1, 2)[written], k_ref.transpose(1, 2)[written], **TOLERANCE[dtype])
     torch.testing.assert_close(v.transpose(1, 2)[written], v_ref.transpose(1, 2)[written], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vision_qkv_rope_matches_the_stock_rotary(dtype):
+    length, heads, dim = 37, 3, 16
+    qkv = randn(length, 3 * heads * dim, dtype=dtype)
+    cos, sin = torch.randn(length, dim, device=DEVICE), torch.randn(length, dim, device=DEVICE)
+    expected, got = Torch.vision_qkv_rope(qkv, heads, cos, sin), Triton.vision_qkv_rope(qkv, heads, cos, sin)
+    for tensor, reference in zip(got, expected, strict=True):
+        assert tensor.shape == reference.shape == (1, heads, length, dim)
+        torch.testing.assert_close(tensor, reference, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,16 +161,18 @@ def test_ops_selection():
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CUDA tests cover the kernels in the real model")
 def test_tiny_model_generates_like_stock_with_the_kernels(tiny_pair):
-    """The whole decode loop with every Triton kernel (interpreted, fp32) still equals stock generate."""
+    """Prefill and the whole decode loop with every Triton kernel (interpreted, fp32) still equal stock generate."""
     from conftest import build, chat, image
 
     ours, stock = tiny_pair
     model_inputs = build(([[chat("image", "What is it?")], [chat("Hi")]], {"images": [image(64, 64)]}))
     expected = stock.generate(**model_inputs, max_new_tokens=10, do_sample=False)
     ours.static_cache()
-    runner = ours._runner
-    runner.ops = Triton
+    runners = (ours._runner, ours._prefill_runner)
+    for runner in runners:
+        runner.ops = Triton
     try:
         assert ours.generate(**model_inputs, max_new_tokens=10, do_sample=False).tolist() == expected.tolist()
     finally:
-        runner.ops = Torch
+        for runner in runners:
+            runner.ops = Torch
