@@ -6,8 +6,10 @@ number comes from tokens really generated: decode ms/step is the slope between t
 the same number of tokens.
 """
 
+import cProfile
 import json
 import platform
+import pstats
 import sys
 import time
 from contextlib import contextmanager
@@ -142,6 +144,15 @@ def generate_stages(model) -> dict:
             "rope_index_ms": (model.model, "get_rope_index")}
 
 
+def host_profile(call, top=20) -> dict:
+    """Host (Python) time of one `call()` by function, the `top` largest by own time, in ms."""
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return {f"{Path(file).name}:{line}({name}) x{calls}": round(1000 * own, 3) for (file, line, name), (calls, _, own, _, _) in rows}
+
+
 def ttft_breakdown(ours, stock, prompts) -> list:
     """Per image prompt: TTFT (`max_new_tokens=1`) of ours and stock, and where ours spends it; the vision tower
     alone for ours (graphs; eager at exact size; Conv3d patch embedding) and stock."""
@@ -239,6 +250,7 @@ def run(args) -> dict:
     buffers_gb = ours._runner.buffer_bytes() / 2**30
     breakdown = kernel_breakdown(ours, image)
     ttft = ttft_breakdown(ours, stock, ttft_prompts)
+    ttft_host = host_profile(lambda: timed_generate(ours, image, 1))
 
     systems = [("hf_eager", {})]
     if args.with_compile:
@@ -283,6 +295,7 @@ def run(args) -> dict:
         "graph_equals_eager_static_path": graph_equals_eager_static,
         "gpu_profile": breakdown,
         "ttft_breakdown": ttft,
+        "ttft_host_profile_448": ttft_host,
         "results": results,
     }
 
@@ -301,6 +314,7 @@ def report(summary, out_dir: Path) -> Path:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns))
     print("GPU profile (448x448 image prompt):", json.dumps(summary["gpu_profile"], indent=1))
     print("time to first token:", json.dumps(summary["ttft_breakdown"], indent=1))
+    print("host time of one TTFT call (448x448), by function:", json.dumps(summary["ttft_host_profile_448"], indent=1))
     print(f"kv cache {summary['kv_cache_gb']:.3f} GB, static buffers {summary['static_buffers_gb']:.3f} GB, "
           f"graph pool after warmup {summary['graph_pool_reserved_gb_after_warmup']:.3f} GB")
     print("graph == eager static path:", summary["graph_equals_eager_static_path"])

@@ -169,30 +169,39 @@ if triton is not None:
         return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
 
     @triton.jit
-    def _rope_store(source, out, c1, c2, s1, s2, HEAD_DIM: tl.constexpr):
-        """Rotate one head by float32 tables (`rotate_half` convention) and store it rounded once."""
-        half = tl.arange(0, HEAD_DIM // 2)
-        x1 = tl.load(source + half).to(tl.float32)
-        x2 = tl.load(source + HEAD_DIM // 2 + half).to(tl.float32)
-        tl.store(out + half, (x1 * c1 - x2 * s1).to(out.dtype.element_ty))
-        tl.store(out + HEAD_DIM // 2 + half, (x2 * c2 + x1 * s2).to(out.dtype.element_ty))
+    def _rope_store(
+        source, out, stride_out_head, c1, c2, s1, s2, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
+    ):
+        """Rotate all heads of one patch by float32 tables (`rotate_half` convention); store them rounded once."""
+        heads = tl.arange(0, HEADS_PAD)[:, None]
+        half = tl.arange(0, HEAD_DIM // 2)[None, :]
+        keep = heads < HEADS
+        x1 = tl.load(source + heads * HEAD_DIM + half, mask=keep).to(tl.float32)
+        x2 = tl.load(source + heads * HEAD_DIM + HEAD_DIM // 2 + half, mask=keep).to(tl.float32)
+        target = out + heads * stride_out_head + half
+        tl.store(target, (x1 * c1 - x2 * s1).to(out.dtype.element_ty), mask=keep)
+        tl.store(target + HEAD_DIM // 2, (x2 * c2 + x1 * s2).to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _vision_qkv_rope_kernel(qkv, cos, sin, q_out, k_out, v_out, length, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """One (patch, head): q and k rotated in float32 and rounded once, v copied; all three to `(H, N, D)`."""
+    def _vision_qkv_rope_kernel(
+        qkv, cos, sin, q_out, k_out, v_out, length, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
+    ):
+        """One patch, all heads: q and k rotated in float32 and rounded once, v copied; all three to `(H, N, D)`."""
         row = tl.program_id(0)
-        head = tl.program_id(1)
-        half = tl.arange(0, HEAD_DIM // 2)
+        half = tl.arange(0, HEAD_DIM // 2)[None, :]
         c1 = tl.load(cos + row * HEAD_DIM + half)
         c2 = tl.load(cos + row * HEAD_DIM + HEAD_DIM // 2 + half)
         s1 = tl.load(sin + row * HEAD_DIM + half)
         s2 = tl.load(sin + row * HEAD_DIM + HEAD_DIM // 2 + half)
-        source = qkv + row * 3 * HEADS * HEAD_DIM + head * HEAD_DIM
-        target = (head * length + row) * HEAD_DIM
-        _rope_store(source, q_out + target, c1, c2, s1, s2, HEAD_DIM)
-        _rope_store(source + HEADS * HEAD_DIM, k_out + target, c1, c2, s1, s2, HEAD_DIM)
-        dims = tl.arange(0, HEAD_DIM)
-        tl.store(v_out + target + dims, tl.load(source + 2 * HEADS * HEAD_DIM + dims))
+        source = qkv + row * 3 * HEADS * HEAD_DIM
+        stride_head = length * HEAD_DIM
+        _rope_store(source, q_out + row * HEAD_DIM, stride_head, c1, c2, s1, s2, HEADS, HEADS_PAD, HEAD_DIM)
+        _rope_store(source + HEADS * HEAD_DIM, k_out + row * HEAD_DIM, stride_head, c1, c2, s1, s2, HEADS, HEADS_PAD, HEAD_DIM)
+        heads = tl.arange(0, HEADS_PAD)[:, None]
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        keep = heads < HEADS
+        value = tl.load(source + (2 * HEADS + heads) * HEAD_DIM + dims, mask=keep)
+        tl.store(v_out + heads * stride_head + row * HEAD_DIM + dims, value, mask=keep)
 
     @triton.jit
     def _qk_norm_rope_write_kernel(
@@ -457,8 +466,9 @@ class TritonDecodeOps(TorchDecodeOps):
     def vision_qkv_rope(qkv, heads, cos, sin):
         length, head_dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
         q, k, v = torch.empty(3, 1, heads, length, head_dim, dtype=qkv.dtype, device=qkv.device)
-        _vision_qkv_rope_kernel[(length, heads)](
-            qkv, cos.float().contiguous(), sin.float().contiguous(), q, k, v, length, HEADS=heads, HEAD_DIM=head_dim
+        _vision_qkv_rope_kernel[(length,)](
+            qkv, cos.float().contiguous(), sin.float().contiguous(), q, k, v, length,
+            HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=head_dim,
         )
         return q, k, v
 
