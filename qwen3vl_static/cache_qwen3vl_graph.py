@@ -9,7 +9,7 @@ the filled length): no path ever reads a slot that the current request has not w
 import torch
 from transformers.cache_utils import StaticCache
 
-from .compat_qwen3vl_graph import allocate_layer, record_length, rewind_layer
+from .compat_qwen3vl_graph import allocate_layer, record_length, rewind_layers, share_length_counters
 
 
 class ASStaticCache(StaticCache):
@@ -21,6 +21,7 @@ class ASStaticCache(StaticCache):
         shape = torch.empty(max_batch_size, kv_heads, 0, head_dim, device=device, dtype=dtype)
         for layer in self.layers:
             allocate_layer(layer, shape)  # the stock allocation, once, at full size
+        self.length_counters = share_length_counters(self.layers, device)
         self.rows = max_batch_size
         self.capacity = static_cache_len
         self.full_keys = [layer.keys for layer in self.layers]
@@ -52,10 +53,8 @@ class ASStaticCache(StaticCache):
         self.reset()
 
     def reset(self) -> None:
-        for layer in self.layers:
-            rewind_layer(layer)
+        rewind_layers(self.layers, self.length_counters)
 
     def set_length(self, length: int) -> None:
         """Record that `length` slots are filled (after a decode loop that wrote the cache directly)."""
-        for layer in self.layers:
-            record_length(layer, length)
+        record_length(self.length_counters, length)

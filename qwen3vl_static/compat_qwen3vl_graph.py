@@ -46,19 +46,31 @@ def allocate_layer(layer, keys_and_values_shape: torch.Tensor) -> None:
         layer.lazy_initialization(keys_and_values_shape)
 
 
-def rewind_layer(layer) -> None:
-    """Make an activated layer empty for a new request (its `keys`/`values` are the request's views)."""
-    if _CACHE_COUNTS_ITSELF:
-        layer.cumulative_length.zero_()
-    else:  # 4.57 measures the filled length as the count of non-zero slots, so the request's slots are zeroed
+def share_length_counters(layers, device) -> torch.Tensor | None:
+    """5.x: make every layer's write position a view of one tensor (the layers advance it in place), so a request
+    rewinds or records all layers in one kernel rather than one per layer. None on 4.57 (no counters)."""
+    if not _CACHE_COUNTS_ITSELF:
+        return None
+    counters = torch.zeros(len(layers), dtype=torch.long, device=device)
+    for layer, counter in zip(layers, counters):
+        layer.cumulative_length = counter
+    return counters
+
+
+def rewind_layers(layers, counters) -> None:
+    """Make the activated layers empty for a new request (their `keys`/`values` are the request's views)."""
+    if counters is not None:
+        counters.zero_()
+        return
+    for layer in layers:  # 4.57 measures the filled length as the count of non-zero slots: zero the request's slots
         layer.keys.zero_()
         layer.values.zero_()
 
 
-def record_length(layer, length: int) -> None:
-    """Tell the layer that `length` slots are filled after a decode loop that wrote them directly."""
-    if _CACHE_COUNTS_ITSELF:
-        layer.cumulative_length.fill_(length)
+def record_length(counters, length: int) -> None:
+    """Tell the layers that `length` slots are filled after a loop that wrote them directly."""
+    if counters is not None:
+        counters.fill_(length)
 
 
 def prompt_positions(model, input_ids, model_kwargs) -> torch.Tensor:

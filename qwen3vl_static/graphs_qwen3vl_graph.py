@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .kernels_qwen3vl_graph import fuse_weights, is_fused
+from .kernels_qwen3vl_graph import fuse_weights
 
 MODES = ("logits", "greedy", "sample")
 MAX_EOS_IDS = 8
@@ -86,6 +86,7 @@ class DecodeRunner:
         ]
         self.fused_weights = [fuse_weights(linears) for linears in self.fused_linears]
         self.qkv_weights, self.gate_up_weights = self.fused_weights[0::2], self.fused_weights[1::2]
+        self.weight_addresses = self.linear_addresses()
         self.capturer = capturer
         self.graphs = {}
         self.batch_size = 0
@@ -100,9 +101,13 @@ class DecodeRunner:
             if isinstance(value, torch.Tensor) and id(value) not in weights
         )
 
+    def linear_addresses(self) -> list:
+        return [linear.weight.data_ptr() for linears in self.fused_linears for linear in linears]
+
     def weights_current(self) -> bool:
-        """False once the model's weights were replaced (e.g. moved): the runner must be rebuilt."""
-        return all(is_fused(fused, linears) for fused, linears in zip(self.fused_weights, self.fused_linears))
+        """False once the model's weights were replaced (e.g. moved): the runner must be rebuilt. (Checked on every
+        `generate`, so by address: the fused views and the graphs both hold these addresses.)"""
+        return self.linear_addresses() == self.weight_addresses
 
     @contextmanager
     def separate_weights(self):

@@ -44,16 +44,6 @@ def fuse_weights(linears) -> torch.Tensor:
     return fused
 
 
-def is_fused(fused: torch.Tensor, linears) -> bool:
-    """Whether the linears still read their weights from `fused` (a `.to()` or a new state dict may replace them)."""
-    start = 0
-    for linear in linears:
-        if linear.weight.data_ptr() != fused[start].data_ptr():
-            return False
-        start += linear.out_features
-    return True
-
-
 class TorchDecodeOps:
     """Reference decode ops in plain torch (same math as the stock modules)."""
 

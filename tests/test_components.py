@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchEmbed
 
 from conftest import build, chat, image
@@ -150,3 +151,12 @@ def test_long_multi_segment_vision_input_keeps_the_stock_split(tiny_pair, monkey
         expected = vision_features(stock, model_inputs["pixel_values_videos"], model_inputs["video_grid_thw"])
     assert len(calls) == 2 * 3 * len(ours.model.visual.blocks)  # per segment, in both models
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(Qwen3VLConfig, "_get_generation_parameters"), reason="transformers 4.57 checks otherwise")
+def test_generation_settings_in_the_model_config_are_still_found():
+    """Our faster `_get_generation_parameters` finds what stock's finds: nothing by default, a stray setting when set."""
+    config = tiny_config()
+    assert config._get_generation_parameters() == {}
+    config.temperature = 0.3
+    assert config._get_generation_parameters() == {"temperature": 0.3}
