@@ -43,9 +43,8 @@ class ASStaticCache(StaticCache):
             )
 
     def activate(self, batch_size: int, length: int) -> None:
-        """Start a request of `batch_size` rows needing `length` slots: views of the persistent storage, write
-        position 0. The views end at `length` because the stock prefill attends over every slot of the
-        cache it is given (masked), so a full-capacity view would make prefill cost grow with capacity."""
+        """Start a request of `batch_size` rows needing `length` slots: the layers see views of the persistent
+        storage of exactly that size (what the cache returned by `generate` shows), write position 0."""
         for layer, keys, values in zip(self.layers, self.full_keys, self.full_values):
             layer.keys, layer.values = keys[:batch_size, :, :length], values[:batch_size, :, :length]
             layer.batch_size = batch_size

@@ -2,8 +2,9 @@
 
 Everything else asks this module instead of testing versions:
 - 5.x: the static cache advances its own write position (`cumulative_length`), `generate` computes the
-  M-RoPE position ids before prefill and has a `_prefill` step; 5.24 renamed the cache keyword from
-  `past_key_values` to `cache` (forward arguments, generate's model kwargs and its output).
+  M-RoPE position ids before prefill, the vision tower returns a `BaseModelOutputWithDeepstackFeatures`;
+  5.2x's `generate` runs the vision tower before prefill (`mm_encoder_outputs`); 5.24 renamed the cache
+  keyword from `past_key_values` to `cache` (forward arguments, generate's model kwargs and its output).
 - 4.57: writes go to an explicit `cache_position`, the cache's length is the count of non-zero slots, the
   model computes M-RoPE positions inside its forward (keeping `rope_deltas`), there is no `mm_token_type_ids`
   input, the vision tower builds its position tables with its own methods, and `AutoModelForVision2Seq` still
