@@ -124,7 +124,9 @@ def vision_output(hidden, merged, deepstack):
 
 def media_features(model, model_kwargs) -> list:
     """`(kind, token id, features (n, hidden), DeepStack features [(n, hidden)])` of the prompt's images, then its
-    videos: generate's pre-encoded outputs (5.2x encodes before prefill) or the tower run on the pixels."""
+    videos: generate's pre-encoded outputs (5.2x encodes before prefill) or the tower run on the pixels. The tower
+    is called directly, not through `get_*_features`, whose per-image split reads the grid back after the tower
+    ran: a host stall before the prefill could be queued (the features are joined again anyway)."""
     encoded = model_kwargs.get("mm_encoder_outputs") or {}
     media = []
     for kind, pixels, token in (
@@ -133,7 +135,7 @@ def media_features(model, model_kwargs) -> list:
     ):
         output = encoded.get(kind)
         if output is None and model_kwargs.get(pixels) is not None:
-            output = getattr(model.model, f"get_{kind}_features")(model_kwargs[pixels], model_kwargs[f"{kind}_grid_thw"])
+            output = model.model.visual(model_kwargs[pixels], grid_thw=model_kwargs[f"{kind}_grid_thw"])
         if output is None:
             continue
         # 5.x: an output object with per-image tuples (deepstack split per image on 5.2x); 4.57: a tuple

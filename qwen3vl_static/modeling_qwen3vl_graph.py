@@ -236,9 +236,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     def _prefill_prompt(self, input_ids, model_kwargs) -> torch.Tensor:
         """Vision tower and prompt prefill into the static cache; returns the float32 logits of the last position."""
+        # Placeholder counts, read before the tower is queued (a read after it would wait for it).
+        placeholders = (input_ids[..., None] == input_ids.new_tensor([self.config.image_token_id, self.config.video_token_id]))
+        counts = dict(zip((self.config.image_token_id, self.config.video_token_id), placeholders.sum((0, 1)).tolist()))
         media = media_features(self, model_kwargs)
         for kind, token, features, _ in media:  # as stock checks, before the prompt is written
-            tokens = int((input_ids == token).sum())
+            tokens = counts[token]
             if tokens != features.shape[0]:
                 raise ValueError(
                     f"{kind.capitalize()} features and {kind} tokens do not match: the prompt has {tokens} {kind} "

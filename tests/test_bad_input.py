@@ -50,3 +50,17 @@ def test_images_without_mm_token_type_ids_behave_as_stock(tiny_pair):
     else:
         assert ours.generate(**model_inputs, max_new_tokens=4, do_sample=False).tolist() == expected.tolist()
     generate_matches_stock(ours, stock)
+
+
+def test_placeholder_tokens_not_matching_the_images_raise_before_prefill(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build(PROMPT)
+    ids = model_inputs["input_ids"]
+    first_image_token = (ids[0] == ours.config.image_token_id).nonzero()[0, 0]
+    ids[0, first_image_token] = 40  # one placeholder fewer than the image's merged tokens
+    cache = ours.static_cache()
+    keys_before = cache.full_keys[0].clone()
+    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+        ours.generate(**model_inputs, max_new_tokens=4, do_sample=False)
+    assert cache.full_keys[0].equal(keys_before)
+    generate_matches_stock(ours, stock)

@@ -112,6 +112,15 @@ def test_warmup_rejects_bad_sizes_and_modes(tiny_pair):
         ours.warmup(batch_sizes=[5])
     with pytest.raises(ValueError, match="modes"):
         ours.warmup(modes=("beam",))
+    assert ours.warmup(prompt_lengths=[50], image_patches=[784]) == 0.0
+
+
+def test_set_cuda_graphs_never_turns_graphs_on_where_they_cannot_run(tiny_pair):
+    ours, _ = tiny_pair
+    ours.set_cuda_graphs(True)
+    runners = (ours._runner, ours._prefill_runner, ours.model.visual.runner)
+    assert not any(runner.use_graphs for runner in runners)  # the CPU: no CUDA graphs, and no padded buckets
+    assert not ours._prefill_runner.bucketed and not ours.model.visual.runner.bucketed
 
 
 def vision_features(model, pixels, grid):
