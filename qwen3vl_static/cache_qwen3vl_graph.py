@@ -2,8 +2,9 @@
 
 Allocated once for `max_batch_size` rows x `static_cache_len` slots, so the tensor addresses that CUDA graphs
 bake in never change. A request activates the rows and slots it needs as views of the same storage; `reset()`
-rewinds the write position (on transformers 4.57 it zeroes the request's slots, by which that version counts
-the filled length): no path ever reads a slot that the current request has not written.
+rewinds the write position and `set_length()` records the filled length (on transformers 4.57, which counts the
+non-zero slots, by zeroing the slots past it): no path ever reads a slot that the current request has not
+written.
 """
 
 import torch
@@ -52,8 +53,8 @@ class ASStaticCache(StaticCache):
         self.reset()
 
     def reset(self) -> None:
-        rewind_layers(self.layers, self.length_counters)
+        rewind_layers(self.length_counters)
 
     def set_length(self, length: int) -> None:
         """Record that `length` slots are filled (after a decode loop that wrote the cache directly)."""
-        record_length(self.length_counters, length)
+        record_length(self.layers, self.length_counters, length)

@@ -58,20 +58,22 @@ def share_length_counters(layers, device) -> torch.Tensor | None:
     return counters
 
 
-def rewind_layers(layers, counters) -> None:
-    """Make the activated layers empty for a new request (their `keys`/`values` are the request's views)."""
+def rewind_layers(counters) -> None:
+    """Make the activated layers empty for a new request. (4.57 counts the filled length as the non-zero slots;
+    `record_length` zeroes what lies past a request's end instead, so a request rejected before prefill writes
+    nothing at all.)"""
     if counters is not None:
         counters.zero_()
-        return
-    for layer in layers:  # 4.57 measures the filled length as the count of non-zero slots: zero the request's slots
-        layer.keys.zero_()
-        layer.values.zero_()
 
 
-def record_length(counters, length: int) -> None:
+def record_length(layers, counters, length: int) -> None:
     """Tell the layers that `length` slots are filled after a loop that wrote them directly."""
     if counters is not None:
         counters.fill_(length)
+        return
+    for layer in layers:  # 4.57: whatever lies past the end (an earlier request, prefill padding) reads as empty
+        layer.keys[:, :, length:].zero_()
+        layer.values[:, :, length:].zero_()
 
 
 def prompt_positions(model, input_ids, model_kwargs) -> torch.Tensor:

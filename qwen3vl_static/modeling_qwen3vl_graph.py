@@ -221,7 +221,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         streamer=None,
         **model_kwargs,
     ):
-        if synced_gpus or model_kwargs.get(CACHE_KWARG) is not self._static_cache:
+        static = model_kwargs.get(CACHE_KWARG) is self._static_cache
+        if synced_gpus or not static:
+            if static:  # transformers' loop on the static cache: empty for 4.57 too, which counts non-zero slots
+                self._static_cache.set_length(0)
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
