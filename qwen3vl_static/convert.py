@@ -259,9 +259,11 @@ The settings below can be changed when loading, e.g.
   sizes.
 - Graphs exist per batch-size bucket and per KV-length bucket; a step attends only to the cache slots of its
   length bucket, not to the whole `static_cache_len`.
-- The vision patch embedding (a Conv3d whose stride equals its kernel) runs as one matrix product by default.
-- Prompt processing (prefill) and all of `generate()`'s input preparation, logits processors and stopping
-  criteria are transformers' own.
+- The vision tower keeps each image size's position tables and, on CUDA, replays CUDA graphs per patch-count
+  bucket (padding patches are masked out); its patch embedding runs as one matrix product by default.
+- Prefill runs the language model on fixed-shape tensors (no host syncs) and, on CUDA, replays CUDA graphs per
+  prompt-length bucket; padding is neutralised by the attention mask.
+- `generate()`'s input preparation, logits processors and stopping criteria are transformers' own.
 
 Measured speed-ups depend on the GPU, batch size and lengths; the numbers live in the qwen3vl-static project's
 `bench/results`.
