@@ -124,6 +124,12 @@ def vision_output(hidden, merged, deepstack):
     return output_class(last_hidden_state=hidden, pooler_output=merged, deepstack_features=deepstack)
 
 
+def vision_features(output):
+    """`(merged tokens, DeepStack features)` from what the vision tower or `get_*_features` returned: an output object
+    (5.x) or a tuple (4.57)."""
+    return (output.pooler_output, output.deepstack_features) if hasattr(output, "pooler_output") else output
+
+
 def media_features(model, model_kwargs) -> list:
     """`(kind, token id, features (n, hidden), DeepStack features [(n, hidden)])` of the prompt's images, then its
     videos: generate's pre-encoded outputs (5.2x encodes before prefill) or the tower run on the pixels. The tower
@@ -140,8 +146,7 @@ def media_features(model, model_kwargs) -> list:
             output = model.model.visual(model_kwargs[pixels], grid_thw=model_kwargs[f"{kind}_grid_thw"])
         if output is None:
             continue
-        # 5.x: an output object with per-image tuples (deepstack split per image on 5.2x); 4.57: a tuple
-        features, deepstack = (output.pooler_output, output.deepstack_features) if hasattr(output, "pooler_output") else output
+        features, deepstack = vision_features(output)  # pre-encoded on 5.2x: split per image, so joined again
         media.append((kind, token, _joined(features), [_joined(layer) for layer in deepstack]))
     return media
 

@@ -7,6 +7,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchEmb
 
 from conftest import build, chat, image
 from qwen3vl_static import ASStaticCache, Qwen3VLGraphConfig
+from qwen3vl_static import compat_qwen3vl_graph as compat
 from qwen3vl_static.presets import real_2b_config, tiny_config
 from qwen3vl_static.vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed
 
@@ -125,8 +126,7 @@ def test_set_cuda_graphs_never_turns_graphs_on_where_they_cannot_run(tiny_pair):
 
 def vision_features(model, pixels, grid):
     """Merged and DeepStack features of the vision tower (a ModelOutput on 5.x, a tuple on 4.57)."""
-    out = model.model.visual(pixels, grid_thw=grid)
-    merged, deepstack = (out.pooler_output, out.deepstack_features) if hasattr(out, "pooler_output") else out
+    merged, deepstack = compat.vision_features(model.model.visual(pixels, grid_thw=grid))
     return [merged, *deepstack]
 
 

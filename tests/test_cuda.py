@@ -8,7 +8,7 @@ import torch
 
 from qwen3vl_static.bench import build_models, image_prompt, text_prompt
 from qwen3vl_static.capture_qwen3vl_graph import GraphCapturer
-from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG
+from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG, vision_features
 from qwen3vl_static.kernels_qwen3vl_graph import TorchDecodeOps
 
 pytestmark = pytest.mark.cuda
@@ -125,11 +125,6 @@ def test_teacher_forced_logits_agree_with_stock_forward(models):
     assert delta < 0.25, report
 
 
-def features(output):
-    """(merged tokens, DeepStack features) from the tower's output on any supported transformers."""
-    return (output.pooler_output, output.deepstack_features) if hasattr(output, "pooler_output") else output
-
-
 def relative_error(got, expected):
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
@@ -145,7 +140,7 @@ def test_vision_features_and_prefill_logits_match_stock(models, sides):
     reference = copy.deepcopy(stock).float()
     kwargs = dict(max_new_tokens=1, do_sample=False, return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():
-        vision = [features(model.model.visual(pixels.to(model.dtype), grid_thw=grid)) for model in (ours, stock, reference)]
+        vision = [vision_features(model.model.visual(pixels.to(model.dtype), grid_thw=grid)) for model in (ours, stock, reference)]
     logits = [model.generate(**prompt, **kwargs).logits[0] for model in (ours, stock, reference)]
     del reference
     errors = {}

@@ -6,6 +6,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from conftest import build, chat, image
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
+from qwen3vl_static.compat_qwen3vl_graph import vision_features
 from qwen3vl_static.prefill_qwen3vl_graph import PrefillRunner
 from qwen3vl_static.presets import tiny_config, tiny_config_dict
 from qwen3vl_static.vision_qwen3vl_graph import VisionRunner
@@ -69,8 +70,7 @@ def test_padded_vision_features_equal_stock(padded_pair):
     with torch.no_grad():
         got = ours.model.visual(pixels, grid_thw=grid)
         expected = stock.model.visual(pixels, grid_thw=grid)
-    got_merged, got_deepstack = (got.pooler_output, got.deepstack_features) if hasattr(got, "pooler_output") else got
-    merged, deepstack = (expected.pooler_output, expected.deepstack_features) if hasattr(expected, "pooler_output") else expected
+    (got_merged, got_deepstack), (merged, deepstack) = vision_features(got), vision_features(expected)
     torch.testing.assert_close(got_merged, merged, rtol=1e-5, atol=1e-5)
     assert len(got_deepstack) == len(deepstack) == len(ours.config.vision_config.deepstack_visual_indexes) > 0
     for got_layer, layer in zip(got_deepstack, deepstack):
