@@ -106,7 +106,8 @@ for name, (n, k) in SHAPES.items():
                 row[label] = {"us": math.inf, "error": f"{type(error).__name__}: {str(error)[:200]}"}
         # What the package decides by itself (its own timing method, the rule's tiling) on first use of this shape.
         try:
-            own_cublas_us, own_triton_us = TritonDecodeOps.time_linear(x, weights[0])
+            own_cublas_us, own_triton_us = TritonDecodeOps.time_calls(
+                (lambda: F.linear(x, weights[0]), lambda: TritonDecodeOps.skinny_matmul(x, weights[0])))
             row["linear_measured"] = {"cublas_us": own_cublas_us, "triton_us": own_triton_us,
                                       "picks": "triton" if own_triton_us < own_cublas_us else "cublas"}
         except Exception as error:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one device call: kernel tests, the GEMV probe, the CUDA tests, the benchmark,
-# the demo. Usage (on the H200): bash bench/gpu_all.sh [bench args...]. Results land in $OUT (or bench/results):
-# one log (gpu-all.log), the benchmark's JSON and PNG, and gemv-probe.json.
+# Everything that needs the GPU, in one device call: kernel tests, the CUDA tests, the benchmark, the demo (and the
+# GEMV probe with GEMV_PROBE=1). Usage (on the H200): bash bench/gpu_all.sh [bench args...]. Results land in $OUT (or
+# bench/results): one log (gpu-all.log), the benchmark's JSON and PNG, and gemv-probe.json.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -11,13 +11,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$log
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$log"
 bench_args=("$@")
 # Native kernel checks first: if a kernel is wrong here, benchmark the torch ops instead of wrong kernels.
-echo "== kernel tests" | tee -a "$log"
+echo "== kernel tests $(date +%T)" | tee -a "$log"
 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider 2>&1 | tee -a "$log" || bench_args+=(--torch-ops)
-echo "== GEMV probe" | tee -a "$log"
-OUT="$out" python3 bench/gemv_probe.py 2>&1 | tee -a "$log"
-echo "== CUDA tests" | tee -a "$log"
+if [ "${GEMV_PROBE:-0}" = 1 ]; then
+  echo "== GEMV probe" | tee -a "$log"
+  OUT="$out" python3 bench/gemv_probe.py 2>&1 | tee -a "$log"
+fi
+echo "== CUDA tests $(date +%T)" | tee -a "$log"
 python3 -m pytest tests/test_cuda.py -q -s -p no:cacheprovider 2>&1 | tee -a "$log"
-echo "== bench" | tee -a "$log"
+echo "== bench $(date +%T)" | tee -a "$log"
 python3 -m qwen3vl_static bench --out "$out" "${bench_args[@]}" 2>&1 | grep -v "Capturing CUDA graphs" | tee -a "$log"
-echo "== demo" | tee -a "$log"
+echo "== demo $(date +%T)" | tee -a "$log"
 python3 -m qwen3vl_static demo 2>&1 | grep -v "Capturing CUDA graphs" | tee -a "$log"

@@ -44,10 +44,11 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             Largest prompt (batch bucket x token bucket, in tokens) whose language-model prefill is padded to
             power-of-two token buckets (from 16) and replayed as a CUDA graph; larger prompts run the same prefill
             eagerly at their exact size. 0 turns prefill graphs off.
-        vision_graph_patches (`int`, defaults to 2048):
-            Largest vision input (all images and videos of one call, in patches) that is padded to power-of-two
-            patch buckets (from 256) and replayed as a CUDA graph; larger inputs run eagerly at their exact size.
-            0 turns vision graphs off. Must be a multiple of `spatial_merge_size**2`.
+        vision_graph_patches (`int`, defaults to 4096):
+            Largest vision input (all images and videos of one call, in patches) that is padded to a patch bucket
+            and replayed as a CUDA graph; larger inputs run eagerly at their exact size. Buckets are four per
+            octave from 256 (256, 320, 384, 448, 512, 640, ...: at most 25% padding); a 448x448 image has 784
+            patches, a 1024x1024 one 4096. 0 turns vision graphs off. Must be a multiple of `spatial_merge_size**2`.
         vision_table_cache_size (`int`, defaults to 16):
             Image sizes whose vision position tables (interpolated position embeddings, rotary cos/sin) are kept
             for reuse.
@@ -70,7 +71,7 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     graph_cache_lengths: list[int] | None = None
     steps_per_sync: int = 8
     prefill_graph_tokens: int = 2048
-    vision_graph_patches: int = 2048
+    vision_graph_patches: int = 4096
     vision_table_cache_size: int = 16
     patch_embed_mode: str = "gemm"
     allow_tf32: bool = False
@@ -129,19 +130,21 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
         """Sorted vision patch counts that get a graph (empty when vision graphs are off)."""
         if not self.vision_graph_patches:
             return []
-        return _buckets(None, 256, self.vision_graph_patches, "patch buckets", "vision_graph_patches")
+        # Finer than powers of two: padding costs vision matmul and attention time in proportion.
+        return _buckets(None, 256, self.vision_graph_patches, "patch buckets", "vision_graph_patches", per_octave=4)
 
 
-def _buckets(chosen, start, top, name, top_name) -> list[int]:
+def _buckets(chosen, start, top, name, top_name, per_octave: int = 1) -> list[int]:
     if top < 1:
         raise ValueError(f"{top_name} must be positive, got {top}")
     if chosen is None:
-        # Powers of two from `start` below `top`, then `top` itself: every size up to `top` has a bucket.
+        # From `start` below `top`, `per_octave` evenly spaced sizes per doubling (powers of two by default), then
+        # `top` itself: every size up to `top` has a bucket.
         chosen = []
-        size = start
-        while size < top:
-            chosen.append(size)
-            size *= 2
+        octave = start
+        while octave < top:
+            chosen += [size for size in range(octave, 2 * octave, octave // per_octave) if size < top]
+            octave *= 2
     sizes = sorted({int(size) for size in chosen} | {top})
     if sizes[0] < 1 or sizes[-1] > top:
         raise ValueError(f"{name}={chosen} must lie between 1 and {top_name}={top}")

@@ -28,6 +28,8 @@ logger = logging.get_logger(__name__)
 
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
 SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages")
+# What the skinny matmul applies to its input on the fly (see `_skinny_matmul_kernel`).
+PROLOGUES = ("plain", "norm", "add_norm", "silu")
 
 
 def fuse_weights(linears) -> torch.Tensor:
@@ -100,7 +102,9 @@ class TorchDecodeOps:
     @staticmethod
     def vision_qkv_rope(qkv, heads, cos, sin):
         """The vision attention's fused QKV output `(N, 3 H D)` -> q, k, v `(1, H, N, D)` for SDPA, q and k rotated
-        in float32 and rounded once (stock `apply_rotary_pos_emb_vision`); `cos`/`sin` are `(N, D)`."""
+        in float32 and rounded once (stock `apply_rotary_pos_emb_vision`); `cos`/`sin` are `(N, D)`. Stored
+        patch-major `(N, H, D)`, so SDPA's output is patch-major too and the output projection reads it without a
+        transposing copy."""
         length = qkv.shape[0]
         q, k, v = qkv.reshape(length, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
@@ -128,8 +132,35 @@ class TorchDecodeOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @classmethod
+    def norm_linear(cls, hidden, delta, norm_weight, eps, weight):
+        """The residual add (when `delta` is given), RMSNorm, then a projection: returns (the sum, or `hidden`;
+        `rms_norm(sum) @ weight.T`). Every decode projection that follows a norm goes through here."""
+        if delta is None:
+            return hidden, cls.linear(cls.rms_norm(hidden, norm_weight, eps), weight)
+        hidden, x = cls.add_rms_norm(hidden, delta, norm_weight, eps)
+        return hidden, cls.linear(x, weight)
+
+    @classmethod
+    def silu_linear(cls, gate_up, weight):
+        """SwiGLU of the fused gate/up output, then the down projection."""
+        return cls.linear(cls.silu_mul(gate_up), weight)
+
+    @staticmethod
+    def add_layer_norm(hidden, delta, weight, bias, eps):
+        """The vision blocks' residual add, then LayerNorm of the sum: returns (sum, normed sum)."""
+        hidden = hidden + delta
+        return hidden, F.layer_norm(hidden, (hidden.shape[-1],), weight, bias, eps)
+
+    @staticmethod
+    def linear_gelu_tanh(x, weight, bias):
+        """The vision MLP's first projection and its tanh-approximated GELU (`gelu_pytorch_tanh`)."""
+        return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
 
 if triton is not None:
+    # A Triton kernel reads only constexpr globals.
+    NORM, ADD_NORM, SILU = (tl.constexpr(PROLOGUES.index(name)) for name in ("norm", "add_norm", "silu"))
 
     @triton.jit
     def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
@@ -145,6 +176,21 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         w = tl.load(weight + cols, mask=keep, other=0.0).to(tl.float32)
         tl.store(norm_out + row * n_cols + cols, (x * rstd * w).to(norm_out.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _add_layer_norm_kernel(hidden, delta, weight, bias, sum_out, norm_out, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        keep = cols < n_cols
+        x = tl.load(hidden + row * n_cols + cols, mask=keep, other=0.0)
+        x = (x.to(tl.float32) + tl.load(delta + row * n_cols + cols, mask=keep, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(sum_out + row * n_cols + cols, x, mask=keep)  # rounded as `hidden + delta` is, then normed
+        x = x.to(tl.float32)
+        centered = tl.where(keep, x - tl.sum(x, axis=0) / n_cols, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+        y = centered * rstd * tl.load(weight + cols, mask=keep, other=0.0).to(tl.float32)
+        y += tl.load(bias + cols, mask=keep, other=0.0).to(tl.float32)
+        tl.store(norm_out + row * n_cols + cols, y.to(norm_out.dtype.element_ty), mask=keep)
 
     @triton.jit
     def _norm_rope(base, weight, cos, sin, rstd, HEAD_DIM: tl.constexpr):
@@ -174,9 +220,9 @@ if triton is not None:
 
     @triton.jit
     def _vision_qkv_rope_kernel(
-        qkv, cos, sin, q_out, k_out, v_out, length, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
+        qkv, cos, sin, q_out, k_out, v_out, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
     ):
-        """One patch, all heads: q and k rotated in float32 and rounded once, v copied; all three to `(H, N, D)`."""
+        """One patch, all heads: q and k rotated in float32 and rounded once, v copied; all three to `(N, H, D)`."""
         row = tl.program_id(0)
         half = tl.arange(0, HEAD_DIM // 2)[None, :]
         c1 = tl.load(cos + row * HEAD_DIM + half)
@@ -184,14 +230,14 @@ if triton is not None:
         s1 = tl.load(sin + row * HEAD_DIM + half)
         s2 = tl.load(sin + row * HEAD_DIM + HEAD_DIM // 2 + half)
         source = qkv + row * 3 * HEADS * HEAD_DIM
-        stride_head = length * HEAD_DIM
-        _rope_store(source, q_out + row * HEAD_DIM, stride_head, c1, c2, s1, s2, HEADS, HEADS_PAD, HEAD_DIM)
-        _rope_store(source + HEADS * HEAD_DIM, k_out + row * HEAD_DIM, stride_head, c1, c2, s1, s2, HEADS, HEADS_PAD, HEAD_DIM)
+        target = row * HEADS * HEAD_DIM
+        _rope_store(source, q_out + target, HEAD_DIM, c1, c2, s1, s2, HEADS, HEADS_PAD, HEAD_DIM)
+        _rope_store(source + HEADS * HEAD_DIM, k_out + target, HEAD_DIM, c1, c2, s1, s2, HEADS, HEADS_PAD, HEAD_DIM)
         heads = tl.arange(0, HEADS_PAD)[:, None]
         dims = tl.arange(0, HEAD_DIM)[None, :]
         keep = heads < HEADS
         value = tl.load(source + (2 * HEADS + heads) * HEAD_DIM + dims, mask=keep)
-        tl.store(v_out + heads * stride_head + row * HEAD_DIM + dims, value, mask=keep)
+        tl.store(v_out + target + heads * HEAD_DIM + dims, value, mask=keep)
 
     @triton.jit
     def _qk_norm_rope_write_kernel(
@@ -289,24 +335,46 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
-        x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x, delta, norm_weight, sum_out, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w, eps,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
     ):
-        """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range). Each weight tile is read
+        """`f(x) @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range). Each weight tile is read
         once, coalesced along K, and serves every row: the rows are the narrow side of a `tl.dot` (padded to ROWS,
-        tl.dot's minimum). `out` is y itself, or this K range's float32 partial `(splits, rows, n_cols)`."""
+        tl.dot's minimum). `out` is y itself, or this K range's float32 partial `(splits, rows, n_cols)`.
+
+        `f` (PROLOGUE) is the op before the matmul, computed on the input tiles as they stream by, rounded as the
+        separate kernel would round it: the identity; RMSNorm (one K range: each program sums the squares of whole
+        rows, and scales its float32 results by 1/rms at the end, `norm_weight` having been applied to the input);
+        the residual add `x + delta`, then RMSNorm (the first column block stores the sum); or SwiGLU of the fused
+        gate/up rows `(rows, 2 K)`."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+        squares = tl.zeros((ROWS,), tl.float32)
         # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
         for start in range(split * k_split, split * k_split + k_split, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
             w = tl.load(weight + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < n_cols) & (ks[None, :] < k_len),
                         other=0.0)
-            x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
-                          other=0.0)
+            live = (row_ids[None, :] < rows) & (ks[:, None] < k_len)
+            offsets = row_ids[None, :] * stride_x + ks[:, None]
+            x_t = tl.load(x + offsets, mask=live, other=0.0)
+            if PROLOGUE == SILU:
+                gate = x_t.to(tl.float32)
+                up = tl.load(x + offsets + k_len, mask=live, other=0.0).to(tl.float32)
+                x_t = (gate / (1.0 + tl.exp(-gate)) * up).to(x_t.dtype)
+            if PROLOGUE == ADD_NORM:
+                x_t = (x_t.to(tl.float32) + tl.load(delta + offsets, mask=live, other=0.0).to(tl.float32)).to(x_t.dtype)
+                if tl.program_id(0) == 0:
+                    tl.store(sum_out + offsets, x_t, mask=live)
+            if (PROLOGUE == NORM) or (PROLOGUE == ADD_NORM):
+                h = x_t.to(tl.float32)
+                squares += tl.sum(h * h, axis=0)
+                x_t = (h * tl.load(norm_weight + ks, mask=ks < k_len, other=0.0).to(tl.float32)[:, None]).to(x_t.dtype)
             acc = tl.dot(w, x_t, acc)
+        if (PROLOGUE == NORM) or (PROLOGUE == ADD_NORM):
+            acc = acc * (1.0 / tl.sqrt(squares / k_len + eps))[None, :]
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
 
@@ -328,46 +396,83 @@ class TritonDecodeOps(TorchDecodeOps):
     BLOCK_N = 32
     SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
     SPIN_CYCLES = 200_000  # GPU cycles (~0.1 ms) of busy wait before each timed call: longer than the host's launch
-    linear_choices = {}  # (rows, N, K, dtype, device) -> whether the Triton kernel measured faster than cuBLAS
+    choices = {}  # (op, rows, N, K, dtype, device) -> index of the candidate that measured fastest
+    timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
 
     @classmethod
     def linear(cls, x, weight, bias=None):
         """cuBLAS or the skinny Triton matmul, whichever measured faster on this device for these (M, N, K, dtype).
+        A bias (no Qwen3-VL checkpoint has one) keeps cuBLAS, which adds it."""
+        if bias is not None or not cls.skinny(x, weight):
+            return F.linear(x, weight, bias)
+        return cls.measured("linear", x, weight, (lambda: F.linear(x, weight), lambda: cls.skinny_matmul(x, weight)))
+
+    @classmethod
+    def norm_linear(cls, hidden, delta, norm_weight, eps, weight):
+        """The norm kernel then `linear`, or one skinny matmul that adds and normalizes its input on the fly:
+        whichever measured faster. (The fused form scales float32 results by 1/rms instead of rounding the
+        normalized input first: the same value, rounded once.)"""
+        separate = lambda: super(TritonDecodeOps, cls).norm_linear(hidden, delta, norm_weight, eps, weight)  # noqa: E731
+        if not cls.skinny(hidden, weight) or (delta is not None and delta.stride() != hidden.stride()):
+            return separate()
+        sums = hidden if delta is None else torch.empty_like(hidden)
+        fused = lambda: (sums, cls.skinny_matmul(  # noqa: E731
+            hidden, weight, prologue="norm" if delta is None else "add_norm", delta=delta, norm_weight=norm_weight, eps=eps,
+            sums=sums))
+        return cls.measured("norm_linear", hidden, weight, (separate, fused))
+
+    @classmethod
+    def silu_linear(cls, gate_up, weight):
+        """The SwiGLU kernel then `linear`, or one skinny matmul computing SwiGLU on the fly: the faster."""
+        separate = lambda: super(TritonDecodeOps, cls).silu_linear(gate_up, weight)  # noqa: E731
+        if not cls.skinny(gate_up, weight, k=gate_up.shape[-1] // 2):
+            return separate()
+        fused = lambda: cls.skinny_matmul(gate_up, weight, prologue="silu")  # noqa: E731
+        return cls.measured("silu_linear", gate_up, weight, (separate, fused))
+
+    @classmethod
+    def skinny(cls, x, weight, k=None) -> bool:
+        """Whether the skinny matmul takes these operands: a few rows, unit stride along K."""
+        return (x.dim() == 2 and x.shape[0] <= cls.SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
+                and weight.shape[1] == (k or x.shape[1]))
+
+    @classmethod
+    def measured(cls, op, x, weight, candidates):
+        """Run whichever of `candidates` (calls of no arguments, the first the cuBLAS / unfused one) measured fastest
+        for this op on these shapes on this device.
 
         Each shape is measured once, on first use: in the runner that is a warm-up step, which the graph capturer
         runs twice on a side stream before capturing. Timing needs a sync, which capture forbids, so a shape first
-        met during capture runs cuBLAS in that graph and is measured the next time it runs outside capture. Off CUDA
-        (the interpreter tests) the kernel always runs, so the CPU tests take it through the whole decode loop. A
-        bias (no Qwen3-VL checkpoint has one) keeps cuBLAS, which adds it.
+        met during capture runs the first candidate in that graph and is measured the next time it runs outside
+        capture. Off CUDA (the interpreter tests) the last (fused Triton) candidate always runs, so the CPU tests
+        take it through the whole decode loop.
         """
-        if bias is not None or x.dim() != 2 or x.shape[0] > cls.SKINNY_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
-            return F.linear(x, weight, bias)
         if not x.is_cuda:
-            return cls.skinny_matmul(x, weight)
-        key = (x.shape[0], *weight.shape, x.dtype, x.device)
-        use_triton = cls.linear_choices.get(key)
-        if use_triton is None:
+            return candidates[-1]()
+        key = (op, x.shape[0], *weight.shape, x.dtype, x.device)
+        choice = cls.choices.get(key)
+        if choice is None:
             if torch.cuda.is_current_stream_capturing():
-                return F.linear(x, weight)
-            cublas_us, triton_us = cls.time_linear(x, weight)
-            use_triton = cls.linear_choices[key] = triton_us < cublas_us
+                return candidates[0]()
+            times = cls.timings[key] = cls.time_calls(candidates)
+            choice = cls.choices[key] = times.index(min(times))
             logger.info(
-                f"Linear of {x.shape[0]} rows x {weight.shape[1]} -> {weight.shape[0]} ({x.dtype}): cuBLAS {cublas_us:.1f} us, "
-                f"Triton {triton_us:.1f} us; using {'Triton' if use_triton else 'cuBLAS'}"
+                f"{op} of {x.shape[0]} rows x {weight.shape[1]} -> {weight.shape[0]} ({x.dtype}): "
+                + ", ".join(f"candidate {index} {us:.1f} us" for index, us in enumerate(times)) + f"; using {choice}"
             )
-        return cls.skinny_matmul(x, weight) if use_triton else F.linear(x, weight)
+        return candidates[choice]()
 
     @classmethod
-    def time_linear(cls, x, weight, reps=20):
-        """Median microseconds of (cuBLAS, the skinny matmul) on these operands, as in the decode graph: the GPU runs
-        each call without waiting for the host (a spin kernel covers the launch) and reads the weight from HBM, as
-        the step does with weights far larger than L2 (reading twice L2's size first evicts it, leaving no dirty
-        lines to write back). Synchronizes only the current stream's work."""
-        candidates = (F.linear, cls.skinny_matmul)
+    def time_calls(cls, candidates, reps=20) -> list:
+        """Median microseconds of each call, as in the decode graph: the GPU runs each call without waiting for the
+        host (a spin kernel covers the launch) and reads the weights from HBM, as the step does with weights far
+        larger than L2 (reading twice L2's size first evicts it, leaving no dirty lines to write back).
+        Synchronizes only the current stream's work."""
         for candidate in candidates:
-            for _ in range(3):  # compiles the kernel, warms cuBLAS
-                candidate(x, weight)
-        flush = torch.empty(torch.cuda.get_device_properties(x.device).L2_cache_size // 2, dtype=torch.float32, device=x.device)
+            for _ in range(3):  # compiles the kernels, warms cuBLAS
+                candidate()
+        device = torch.cuda.current_device()
+        flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size // 2, dtype=torch.float32, device=device)
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
                   for _ in candidates]
         for rep in range(reps):
@@ -376,41 +481,51 @@ class TritonDecodeOps(TorchDecodeOps):
                 torch.cuda._sleep(cls.SPIN_CYCLES)
                 start, end = pairs[rep]
                 start.record()
-                candidate(x, weight)
+                candidate()
                 end.record()
         events[-1][-1][1].synchronize()
         return [1000 * statistics.median(start.elapsed_time(end) for start, end in pairs) for pairs in events]
 
     @staticmethod
-    def skinny_config(n, k, sms, block_n=64, block_k=128):
+    def skinny_config(n, k, sms, block_n=64, block_k=128, can_split=True):
         """The skinny matmul's tiling for an (N, K) weight on `sms` SMs: one rule, so few compiled variants.
 
         A GEMV is as fast as the weight bytes it keeps in flight. Each program streams `block_n` x `block_k` tiles
         through a 4-stage pipeline; a matrix with fewer column tiles than SMs also splits K (doubling, while each
         range keeps at least two K steps), its float32 partials summed by a second kernel. Measured on an H200
         (bench/results/*gemv-probe.json), aiming at two programs per SM split too far: one per SM was faster.
+        Where K cannot be split (a normalizing prologue needs whole rows), narrower column tiles fill the SMs.
         """
         tiles, split = triton.cdiv(n, block_n), 1
-        while tiles * split < sms and k >= 4 * split * block_k:
+        while can_split and tiles * split < sms and k >= 4 * split * block_k:
             split *= 2
+        while not can_split and tiles < sms and block_n > 32:
+            block_n //= 2
+            tiles = triton.cdiv(n, block_n)
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
     @classmethod
-    def skinny_matmul(cls, x, weight, config=None):
-        """`x @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
-        unit-stride along K; `config` (a SkinnyConfig) overrides the rule."""
-        rows, k = x.shape
-        n = weight.shape[0]
+    def skinny_matmul(cls, x, weight, config=None, prologue="plain", delta=None, norm_weight=None, eps=0.0, sums=None):
+        """`f(x) @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
+        unit-stride along K; `config` (a SkinnyConfig) overrides the rule. `prologue` names `f`: "plain" (identity),
+        "norm" (RMSNorm with `norm_weight`, `eps`), "add_norm" (RMSNorm of `x + delta`, the sum stored to `sums`),
+        "silu" (SwiGLU of `x` = fused gate/up rows `(M, 2 K)`)."""
+        rows = x.shape[0]
+        n, k = weight.shape
+        normalizes = prologue in ("norm", "add_norm")
         if config is None:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-            config = cls.skinny_config(n, k, sms)
+            config = cls.skinny_config(n, k, sms, can_split=not normalizes)
         k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
         splits = triton.cdiv(k, k_split)
+        if normalizes and splits > 1:
+            raise ValueError("a normalizing prologue needs whole rows: split_k must be 1")
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         parts = out if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
         _skinny_matmul_kernel[(triton.cdiv(n, config.block_n), splits)](
-            x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
-            ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            x, x if delta is None else delta, weight if norm_weight is None else norm_weight, x if sums is None else sums,
+            weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0), eps,
+            ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PROLOGUE=PROLOGUES.index(prologue),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:
@@ -455,12 +570,12 @@ class TritonDecodeOps(TorchDecodeOps):
     @staticmethod
     def vision_qkv_rope(qkv, heads, cos, sin):
         length, head_dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
-        q, k, v = torch.empty(3, 1, heads, length, head_dim, dtype=qkv.dtype, device=qkv.device)
+        q, k, v = torch.empty(3, length, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         _vision_qkv_rope_kernel[(length,)](
-            qkv, cos.float().contiguous(), sin.float().contiguous(), q, k, v, length,
+            qkv, cos.float().contiguous(), sin.float().contiguous(), q, k, v,
             HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=head_dim,
         )
-        return q, k, v
+        return tuple(states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))
 
     @classmethod
     def decode_attention(cls, q, keys, values, context, kv_len, scale):
@@ -483,6 +598,21 @@ class TritonDecodeOps(TorchDecodeOps):
             part_out, part_max, part_sum, out, splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim
         )
         return out
+
+    @staticmethod
+    def add_layer_norm(hidden, delta, weight, bias, eps):
+        total, out = torch.empty_like(hidden), torch.empty_like(hidden)
+        _add_layer_norm_kernel[(hidden.shape[0],)](hidden, delta, weight, bias, total, out, hidden.shape[1], eps,
+                                                   BLOCK=triton.next_power_of_2(hidden.shape[1]))
+        return total, out
+
+    @staticmethod
+    def linear_gelu_tanh(x, weight, bias):
+        # On CUDA, cuBLASLt's GELU epilogue (the tanh form) on the float32 result: no separate activation pass.
+        # (The CPU kernel of this op uses the exact erf GELU, hence CUDA only.)
+        if x.is_cuda and x.dim() == 2:
+            return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+        return TorchDecodeOps.linear_gelu_tanh(x, weight, bias)
 
     @staticmethod
     def silu_mul(gate_up):

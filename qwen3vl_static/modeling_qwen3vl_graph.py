@@ -129,7 +129,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             )
             self.model.visual.runner = VisionRunner(
                 self.model.visual, self._vision_mask, config.patch_buckets(), config.vision_table_cache_size, capturer,
-                graphs, bucketed,
+                graphs, bucketed, config.use_triton_kernels,
             )
         return cache
 
@@ -199,7 +199,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             keys = prefill.warmup_keys(batch_sizes, prompt_lengths or prefill.token_buckets)
             captures += [partial(prefill.capture, *key) for key in keys if prefill.use_graphs and key not in prefill.graphs]
             keys = vision.warmup_keys(image_patches or vision.buckets)
-            captures += [partial(vision.capture, key) for key in keys if vision.use_graphs and key not in vision.graphs]
+            captures += [partial(vision.capture, *key) for key in keys if vision.use_graphs and key not in vision.graphs]
             if not runner.use_graphs:
                 return 0.0
             runner.idle()
@@ -239,9 +239,15 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     def _prefill_prompt(self, input_ids, model_kwargs) -> torch.Tensor:
         """Vision tower and prompt prefill into the static cache; returns the float32 logits of the last position."""
-        # Placeholder counts, read before the tower is queued (a read after it would wait for it).
+        # Placeholder counts and whether the prompt has padding: one host read, before the tower is queued (a read
+        # after it would wait for it).
         placeholders = (input_ids[..., None] == input_ids.new_tensor([self.config.image_token_id, self.config.video_token_id]))
-        counts = dict(zip((self.config.image_token_id, self.config.video_token_id), placeholders.sum((0, 1)).tolist()))
+        attention_mask = model_kwargs.get("attention_mask")
+        checks = placeholders.sum((0, 1))
+        if attention_mask is not None:
+            checks = torch.cat([checks, (attention_mask == 0).any().long()[None]])
+        checks = checks.tolist()
+        counts, padded = dict(zip((self.config.image_token_id, self.config.video_token_id), checks)), any(checks[2:])
         media = media_features(self, model_kwargs)
         for kind, token, features, _ in media:  # as stock checks, before the prompt is written
             tokens = counts[token]
@@ -255,7 +261,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             visual = torch.cat([features for _, _, features, _ in media])
             deepstack = [torch.cat(layer) for layer in zip(*(layers for _, _, _, layers in media))]
         positions = prompt_positions(self, input_ids, model_kwargs)
-        return self._prefill_runner.run(input_ids, model_kwargs.get("attention_mask"), positions, visual, deepstack)
+        return self._prefill_runner.run(input_ids, attention_mask, positions, visual, deepstack, padded)
 
     def _device_loop(self, input_ids, logits, plan, generation_config, streamer):
         """Sampling and EOS checks on the device, `steps_per_sync` steps per host read."""

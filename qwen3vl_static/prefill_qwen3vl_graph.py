@@ -6,8 +6,11 @@ function of fixed-shape tensors, so it can be captured as a CUDA graph per (batc
 - image/video placeholder tokens take their features by a gather whose index is a running count of image
   (video) tokens, row-major as stock `masked_scatter` fills them; DeepStack features are added the same way
   after the first decoder layers, and text tokens get exactly zero;
-- the attention mask is built in the graph from a per-token "valid" flag (left padding and bucket padding are
-  invalid) and causality; every token also sees itself, so a padding token never has an empty softmax;
+- a prompt without padding (every batch row full) needs causality only: bucket padding comes after the real
+  tokens, which never look ahead, and grouped-query attention reads each K/V head once (no repeated K/V);
+- a padded batch builds its attention mask in the graph from a per-token "valid" flag (left padding and bucket
+  padding are invalid) and causality; every token also sees itself, so a padding token never has an empty
+  softmax. Graphs are keyed by (rows, tokens, padded);
 - K/V of all bucket slots are written to the cache: slots past the prompt hold padding values that the decode
   step overwrites before anything reads them (it attends to written slots only).
 A prompt larger than the graph budget runs the same function eagerly at its exact size.
@@ -58,10 +61,12 @@ class PrefillRunner:
         self.last = buffer(1)
         self.logits = buffer(cache.rows if self.bucketed else 0, model.lm_head.out_features, dtype=torch.float32)
 
-    def run(self, input_ids, attention_mask, positions, visual=None, deepstack=()) -> torch.Tensor:
+    def run(self, input_ids, attention_mask, positions, visual=None, deepstack=(), padded=True) -> torch.Tensor:
         """Prefill `input_ids` `(b, s)` with M-RoPE `positions` `(3, b, s)`. `visual` `(n, hidden)` and each of
         `deepstack` hold the features of the prompt's image tokens in order, then those of its video tokens
-        (None for a text prompt). Returns float32 logits of the last position `(b, vocab)`."""
+        (None for a text prompt). `padded`: whether `attention_mask` has any zero (the caller knows it without
+        another host read). Returns float32 logits of the last position `(b, vocab)`."""
+        padded = padded and attention_mask is not None
         batch, length = input_ids.shape
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         image_token, video_token = self.model.config.image_token_id, self.model.config.video_token_id
@@ -72,7 +77,7 @@ class PrefillRunner:
                 visual = self.visual[:1].new_zeros(1, self.visual.shape[1])
                 deepstack = [visual] * self.deepstack.shape[0]
             last = torch.full((1,), length - 1, dtype=torch.long, device=input_ids.device)
-            return self.forward(input_ids, positions, valid, modality, visual, deepstack, last)
+            return self.forward(input_ids, positions, valid, modality, visual, deepstack, last, padded)
         rows, size = key
         for buffer, value in zip((self.input_ids, self.valid, self.modality), (input_ids, valid, modality)):
             view = buffer[: rows * size].view(rows, size)
@@ -87,9 +92,9 @@ class PrefillRunner:
                 buffer[: features.shape[0]] = features
         self.last.fill_(length - 1)
         if self.use_graphs:
-            (self.graphs.get(key) or self.capture(*key)).replay()
+            (self.graphs.get((*key, padded)) or self.capture(*key, padded)).replay()
         else:
-            self.step(*key)
+            self.step(*key, padded)
         return self.logits[:batch].clone()
 
     def bucket(self, batch: int, length: int):
@@ -100,21 +105,23 @@ class PrefillRunner:
         size = self.token_buckets[bisect.bisect_left(self.token_buckets, length)]
         return (rows, size) if rows * size <= self.max_tokens else None
 
-    def step(self, rows: int, size: int) -> None:
+    def step(self, rows: int, size: int, padded: bool) -> None:
         tokens = rows * size
         self.logits[:rows] = self.forward(
             self.input_ids[:tokens].view(rows, size), self.positions[:, :tokens].view(3, rows, size),
             self.valid[:tokens].view(rows, size), self.modality[:tokens].view(rows, size),
-            self.visual, self.deepstack, self.last,
+            self.visual, self.deepstack, self.last, padded,
         )
 
-    def capture(self, rows: int, size: int) -> torch.cuda.CUDAGraph:
-        graph = self.capturer.capture(lambda: self.step(rows, size), name=f"prefill ({rows} rows x {size} tokens)")
-        self.graphs[(rows, size)] = graph
+    def capture(self, rows: int, size: int, padded: bool) -> torch.cuda.CUDAGraph:
+        name = f"prefill ({rows} rows x {size} tokens{', padded' if padded else ''})"
+        graph = self.capturer.capture(lambda: self.step(rows, size, padded), name=name)
+        self.graphs[(rows, size, padded)] = graph
         return graph
 
-    def forward(self, input_ids, positions, valid, modality, visual, deepstack, last) -> torch.Tensor:
-        """The prompt forward on tensors of one fixed shape `(rows, size)`; writes K/V of slots [0, size)."""
+    def forward(self, input_ids, positions, valid, modality, visual, deepstack, last, padded) -> torch.Tensor:
+        """The prompt forward on tensors of one fixed shape `(rows, size)`; writes K/V of slots [0, size).
+        `padded`: some row has left padding or padding inside (else causality is the whole mask)."""
         ops, text = self.ops, self.model.model.language_model
         rows, size = input_ids.shape
         hidden = text.embed_tokens(input_ids)
@@ -130,9 +137,10 @@ class PrefillRunner:
         rotary = ops.rotary(cos.view(tokens, 1, -1), sin.view(tokens, 1, -1))  # shared by all layers
         slots = torch.arange(size, device=input_ids.device)
         cache_rows, cache_slots = torch.arange(rows, device=slots.device).repeat_interleave(size), slots.repeat(rows)
-        causal = slots[:, None] >= slots[None, :]
-        mask = (causal & valid[:, None, :]) | (slots[:, None] == slots[None, :])
-        mask = mask[:, None]  # (rows, 1, size, size)
+        if padded:
+            causal = slots[:, None] >= slots[None, :]
+            mask = (causal & valid[:, None, :]) | (slots[:, None] == slots[None, :])
+            mask = mask[:, None]  # (rows, 1, size, size)
         hidden = hidden.view(tokens, -1)
         norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]
         first = text.layers[0].input_layernorm
@@ -147,9 +155,13 @@ class PrefillRunner:
                 rotary, keys, values, cache_rows, cache_slots,
             )
             q = q.view(rows, size, heads, -1).transpose(1, 2)
-            group = heads // kv_heads  # K/V heads repeated for the query heads, as stock `repeat_kv` does
-            k, v = (cache[:rows, :, :size].repeat_interleave(group, dim=1) for cache in (keys, values))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+            k, v = keys[:rows, :, :size], values[:rows, :, :size]
+            if padded:  # K/V heads repeated for the query heads, as stock `repeat_kv` does (masked kernels lack GQA)
+                group = heads // kv_heads
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
             out = out.transpose(1, 2).reshape(tokens, -1)
             hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon)
             mlp_out = layer.mlp.down_proj(ops.silu_mul(F.linear(x, gate_up_weight)))
@@ -164,6 +176,8 @@ class PrefillRunner:
         return self.model.lm_head(x).float()
 
     def warmup_keys(self, batch_sizes, prompt_lengths) -> list:
-        """The buckets these sizes use, largest first (for `model.warmup` to capture)."""
-        keys = {self.bucket(batch, length) for batch in batch_sizes for length in prompt_lengths}
-        return sorted(keys - {None}, reverse=True)
+        """The graphs these sizes use, largest first (for `model.warmup` to capture): (rows, tokens, padded), a batch
+        of several rows both without and with padding."""
+        buckets = {self.bucket(batch, length) for batch in batch_sizes for length in prompt_lengths} - {None}
+        keys = {(rows, size, padded) for rows, size in buckets for padded in ((False, True) if rows > 1 else (False,))}
+        return sorted(keys, reverse=True)

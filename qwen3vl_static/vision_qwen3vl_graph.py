@@ -8,8 +8,11 @@
 - `Qwen3VLGraphVisionModel` is the stock tower whose forward hands over to the model's `VisionRunner` once
   the model attached one (`static_cache()`). The runner keeps each image size's position tables, and on CUDA
   pads the patches of a call to a patch-count bucket and replays the tower as a CUDA graph: padding patches
-  form a segment of their own in the block-diagonal mask, so real patches never see them. Every caller of the
-  tower (generate's pre-encoding on 5.2x, the stock forward, `get_image_features`) gets the fast path.
+  form a segment of their own in the block-diagonal mask, so real patches never see them. A single image that
+  fills its bucket exactly needs no mask, and gets a graph without one. Every caller of the tower (generate's
+  pre-encoding on 5.2x, the stock forward, `get_image_features`) gets the fast path.
+- The runner's blocks fuse each residual add with the LayerNorm after it, and (CUDA) the MLP's GELU with its
+  first projection, on the stock parameters.
 """
 
 import bisect
@@ -58,10 +61,11 @@ class BlockDiagonalMask:
     def __init__(self):
         self.cu_seqlens = None
         self.mask = None
-        self.fixed = None  # set by VisionRunner: the mask of its padded buckets, whatever `cu_seqlens` says
+        self.pinned = False  # set by VisionRunner: `fixed` is the mask (or None), whatever `cu_seqlens` says
+        self.fixed = None
 
     def get(self, cu_seqlens: torch.Tensor, length: int) -> torch.Tensor | None:
-        if self.fixed is not None:
+        if self.pinned:
             return self.fixed
         if cu_seqlens.shape[0] <= 2:  # a single segment attends to all of itself: no mask
             return None
@@ -72,12 +76,12 @@ class BlockDiagonalMask:
         return self.mask
 
     @contextmanager
-    def fixed_mask(self, mask: torch.Tensor):
-        self.fixed = mask
+    def fixed_mask(self, mask: torch.Tensor | None):
+        self.pinned, self.fixed = True, mask
         try:
             yield
         finally:
-            self.fixed = None
+            self.pinned, self.fixed = False, None
 
 
 class Qwen3VLGraphVisionAttention(Qwen3VLVisionAttention):
@@ -90,7 +94,7 @@ class Qwen3VLGraphVisionAttention(Qwen3VLVisionAttention):
         length = hidden_states.shape[0]
         # Flash attention is already variable-length; very long multi-segment inputs keep the stock split.
         stock = self.config._attn_implementation != "sdpa" or (cu_seqlens.shape[0] > 2 and length > MAX_MASKED_LENGTH)
-        if stock and self.block_mask.fixed is None:
+        if stock and not self.block_mask.pinned:
             return super().forward(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
         # One fused kernel on CUDA: the stock rotary is a dozen elementwise passes in float32 per block.
         ops = decode_ops(hidden_states.device, hidden_states.dtype, self.use_triton_kernels)
@@ -120,7 +124,7 @@ class VisionRunner:
 
     def __init__(
         self, visual, mask: BlockDiagonalMask, patch_buckets, table_cache_size: int, capturer, use_graphs: bool,
-        bucketed: bool,
+        bucketed: bool, use_triton_kernels: bool,
     ):
         self.visual = visual
         self.mask = mask
@@ -129,6 +133,8 @@ class VisionRunner:
         device, self.dtype = weight.device, weight.dtype
         self.weight_address = weight.data_ptr()
         config = visual.config
+        self.ops = decode_ops(device, self.dtype, use_triton_kernels)
+        self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"  # the MLP activation that has a fused form
         self.unit = config.spatial_merge_size**2  # patches per merged token
         self.buckets = patch_buckets
         # As for prefill, padded to buckets or run at exact sizes. The padded mask needs the sdpa attention (other
@@ -136,7 +142,7 @@ class VisionRunner:
         self.bucketed = bucketed and bool(patch_buckets) and config._attn_implementation == "sdpa"
         self.can_use_graphs = self.bucketed
         self.use_graphs = use_graphs and self.can_use_graphs
-        self.graphs = {}
+        self.graphs = {}  # (bucket, masked) -> graph
         self.tables = OrderedDict()  # (t, h, w) -> tables, least recently used first
         self.table_cache_size = table_cache_size
         patches = patch_buckets[-1] if self.bucketed else 0
@@ -206,18 +212,23 @@ class VisionRunner:
             start, segment = end, segment + t
         self.segments[patches:bucket] = -1  # padding: a segment of its own
         self.pixels[:patches] = pixel_values
+        masked = segment > 1 or patches < bucket
         if self.use_graphs:
-            (self.graphs.get(bucket) or self.capture(bucket)).replay()
+            (self.graphs.get((bucket, masked)) or self.capture(bucket, masked)).replay()
         else:
-            self.step(bucket)
+            self.step(bucket, masked)
         merged = patches // self.unit
         return self.hidden[:patches].clone(), self.merged[:merged].clone(), [part[:merged].clone() for part in self.deepstack]
 
-    def step(self, patches: int) -> None:
-        segments = self.segments[:patches]
-        # Additive, built once per call: SDPA would convert a boolean mask again in each of the blocks.
-        same = segments[:, None] == segments[None, :]
-        mask = torch.zeros(same.shape, dtype=self.dtype, device=same.device).masked_fill_(~same, float("-inf"))
+    def step(self, patches: int, masked: bool) -> None:
+        """The tower over the first `patches` buffer rows; `masked`: several segments, or padding (else one image
+        fills them all and attends to all of itself)."""
+        mask = None
+        if masked:
+            segments = self.segments[:patches]
+            # Additive, built once per call: SDPA would convert a boolean mask again in each of the blocks.
+            same = segments[:, None] == segments[None, :]
+            mask = torch.zeros(same.shape, dtype=self.dtype, device=same.device).masked_fill_(~same, float("-inf"))
         with self.mask.fixed_mask(mask):
             hidden, merged, deepstack = self.tower(
                 self.pixels[:patches], self.positions[:patches], self.cos[:patches], self.sin[:patches], self.one_segment
@@ -228,22 +239,43 @@ class VisionRunner:
         for buffer, features in zip(self.deepstack, deepstack):
             buffer[:rows] = features
 
-    def capture(self, patches: int) -> torch.cuda.CUDAGraph:
-        graph = self.capturer.capture(lambda: self.step(patches), name=f"vision ({patches} patches)")
-        self.graphs[patches] = graph
+    def capture(self, patches: int, masked: bool) -> torch.cuda.CUDAGraph:
+        graph = self.capturer.capture(
+            lambda: self.step(patches, masked), name=f"vision ({patches} patches{'' if masked else ', one image'})"
+        )
+        self.graphs[(patches, masked)] = graph
         return graph
 
     def tower(self, pixels, positions, cos, sin, cu_seqlens):
         """The stock vision forward after its table lookups: patch embedding, blocks, DeepStack mergers, merger.
-        Returns (last hidden states, merged tokens, DeepStack features)."""
-        visual = self.visual
+        Returns (last hidden states, merged tokens, DeepStack features). Each block is the stock block's math with
+        its residual adds fused into the LayerNorm that follows (the next block's `norm1` for the second one)."""
+        visual, ops = self.visual, self.ops
         hidden = visual.patch_embed(pixels) + positions
+        blocks = visual.blocks
+        x = blocks[0].norm1(hidden)
         deepstack = []
-        for index, block in enumerate(visual.blocks):
-            hidden = block(hidden, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
+        for index, block in enumerate(blocks):
+            attn_out = block.attn(x, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
+            norm, mlp = block.norm2, block.mlp
+            hidden, x = ops.add_layer_norm(hidden, attn_out, norm.weight, norm.bias, norm.eps)
+            if self.gelu_tanh:
+                up = ops.linear_gelu_tanh(x, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
+            else:
+                up = mlp.act_fn(mlp.linear_fc1(x))
+            mlp_out = mlp.linear_fc2(up)
+            if index + 1 < len(blocks):
+                norm = blocks[index + 1].norm1
+                hidden, x = ops.add_layer_norm(hidden, mlp_out, norm.weight, norm.bias, norm.eps)
+            else:
+                hidden = hidden + mlp_out
             if index in visual.deepstack_visual_indexes:
                 deepstack.append(visual.deepstack_merger_list[visual.deepstack_visual_indexes.index(index)](hidden))
         return hidden, visual.merger(hidden), deepstack
 
     def warmup_keys(self, patch_counts) -> list:
-        return sorted({self.bucket(patches) for patches in patch_counts} - {None}, reverse=True)
+        """The (bucket, masked) graphs for these patch counts, largest first: the masked graph of each count's
+        bucket (any images of that many patches), and the unmasked one where a count fills its bucket exactly."""
+        buckets = {(patches, self.bucket(patches)) for patches in patch_counts} - {(patches, None) for patches in patch_counts}
+        keys = {(bucket, True) for _, bucket in buckets} | {(bucket, False) for patches, bucket in buckets if patches == bucket}
+        return sorted(keys, reverse=True)

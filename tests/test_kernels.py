@@ -130,26 +130,82 @@ def test_linear_takes_the_kernel_or_cublas_by_shape(dtype):
     torch.testing.assert_close(Triton.linear(x, weight, bias), Torch.linear(x, weight, bias), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("with_delta", [False, True], ids=["norm", "add-norm"])
+def test_norm_linear_fused_and_chosen(dtype, rows, with_delta):
+    """RMSNorm (after the residual add) computed inside the skinny matmul equals the norm kernel then the matmul."""
+    hidden, norm_weight, weight = randn(rows, 200, dtype=dtype), randn(200, dtype=dtype), randn(100, 200, dtype=dtype)
+    delta = randn(rows, 200, dtype=dtype) if with_delta else None
+    expected_sum, expected = Torch.norm_linear(hidden, delta, norm_weight, 1e-6, weight)
+    config = kernels.SkinnyConfig(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+    with poisoned_empty():  # the output (and the sum, below)
+        sums = torch.empty_like(hidden) if with_delta else None
+        out = Triton.skinny_matmul(hidden, weight, config, prologue="add_norm" if with_delta else "norm", delta=delta,
+                                   norm_weight=norm_weight, eps=1e-6, sums=sums)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    if with_delta:
+        torch.testing.assert_close(sums, expected_sum, rtol=0, atol=0)  # rounded like torch's add
+    total, out = Triton.norm_linear(hidden, delta, norm_weight, 1e-6, weight)  # fused or not, by measurement on CUDA
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(total, expected_sum, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="whole rows"):
+        Triton.skinny_matmul(hidden, weight, config._replace(split_k=2), prologue="norm", norm_weight=norm_weight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 2], ids=["one-pass", "split-k"])
+def test_silu_linear_fused_and_chosen(dtype, split_k):
+    gate_up, weight = randn(3, 2 * 200, dtype=dtype), randn(100, 200, dtype=dtype)
+    expected = Torch.silu_linear(gate_up, weight)
+    config = kernels.SkinnyConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
+    with poisoned_empty():
+        out = Triton.skinny_matmul(gate_up, weight, config, prologue="silu")
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(Triton.silu_linear(gate_up, weight), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_layer_norm(dtype):
+    hidden, delta = randn(5, 200, dtype=dtype), randn(5, 200, dtype=dtype)
+    weight, bias = randn(200, dtype=dtype), randn(200, dtype=dtype)
+    with poisoned_empty():
+        total, normed = Triton.add_layer_norm(hidden, delta, weight, bias, 1e-6)
+    expected_total, expected_normed = Torch.add_layer_norm(hidden, delta, weight, bias, 1e-6)
+    torch.testing.assert_close(total, expected_total, rtol=0, atol=0)
+    torch.testing.assert_close(normed, expected_normed, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_gelu_tanh(dtype):
+    """cuBLASLt's GELU epilogue on CUDA is the tanh form the vision MLP uses (elsewhere: the torch ops)."""
+    x, weight, bias = randn(37, 64, dtype=dtype), randn(96, 64, dtype=dtype), randn(96, dtype=dtype)
+    expected = Torch.linear_gelu_tanh(x.float(), weight.float(), bias.float()).to(dtype)
+    torch.testing.assert_close(Triton.linear_gelu_tanh(x, weight, bias), expected, **TOLERANCE[dtype])
+
+
 @pytest.mark.cuda
 def test_linear_measures_outside_graph_capture_only():
     """A shape first met during capture runs cuBLAS in that graph; its next use outside capture measures it."""
     x, weight = randn(3, 320, dtype=torch.bfloat16), randn(192, 320, dtype=torch.bfloat16)  # a shape no other test uses
-    key = (3, 192, 320, torch.bfloat16, x.device)
+    key = ("linear", 3, 192, 320, torch.bfloat16, x.device)
     expected = Torch.linear(x, weight)  # also warms cuBLAS up before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = Triton.linear(x, weight)
-    assert key not in Triton.linear_choices
+    assert key not in Triton.choices
     graph.replay()
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
     torch.testing.assert_close(Triton.linear(x, weight), expected, **TOLERANCE[torch.bfloat16])
-    assert key in Triton.linear_choices
+    assert key in Triton.choices
 
 
 def test_skinny_config_splits_narrow_matrices_only():
     wide, narrow = Triton.skinny_config(151936, 2048, sms=132), Triton.skinny_config(2048, 6144, sms=132)
     assert wide.split_k == 1 and narrow.split_k > 1
     assert 6144 // narrow.split_k >= 2 * narrow.block_k  # every K range takes at least two steps
+    whole_rows = Triton.skinny_config(4096, 2048, sms=132, can_split=False)  # QKV under a norm: narrower tiles instead
+    assert whole_rows.split_k == 1 and whole_rows.block_n == 32
 
 
 def test_ops_selection():
@@ -168,7 +224,7 @@ def test_tiny_model_generates_like_stock_with_the_kernels(tiny_pair):
     model_inputs = build(([[chat("image", "What is it?")], [chat("Hi")]], {"images": [image(64, 64)]}))
     expected = stock.generate(**model_inputs, max_new_tokens=10, do_sample=False)
     ours.static_cache()
-    runners = (ours._runner, ours._prefill_runner)
+    runners = (ours._runner, ours._prefill_runner, ours.model.visual.runner)
     for runner in runners:
         runner.ops = Triton
     try:

@@ -18,6 +18,7 @@ MIXED_BATCH = (
     {"images": [image(64, 32)], "video_grids": [(2, 4, 4)]},
 )
 TEXT = ([[chat("Describe a cat in one line.")]], {})
+UNPADDED_BATCH = ([[chat("Describe a cat.")], [chat("Describe a dog.")]], {})  # two rows, no padding
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,8 @@ def padded_pair():
     )
     visual = ours.model.visual
     visual.runner = VisionRunner(
-        visual, ours._vision_mask, config.patch_buckets(), 2, runner.capturer, use_graphs=False, bucketed=True
+        visual, ours._vision_mask, config.patch_buckets(), 2, runner.capturer, use_graphs=False, bucketed=True,
+        use_triton_kernels=config.use_triton_kernels,
     )
     return ours, stock
 
@@ -50,10 +52,14 @@ def test_buckets_never_exceed_the_cache(padded_pair):
     assert ours.model.visual.runner.bucket(24) == 128 and ours.model.visual.runner.bucket(129) is None
 
 
-@pytest.mark.parametrize("case", [TEXT, ONE_IMAGE, TWO_IMAGES, MIXED_BATCH], ids=["text", "image", "two-images", "mixed"])
+@pytest.mark.parametrize(
+    "case", [TEXT, ONE_IMAGE, TWO_IMAGES, MIXED_BATCH, UNPADDED_BATCH], ids=["text", "image", "two-images", "mixed", "batch"]
+)
 def test_padded_prefill_and_vision_generate_like_stock(padded_pair, case):
+    """Prompts padded to buckets; causal-only attention where no row has padding (all but "mixed")."""
     ours, stock = padded_pair
     model_inputs = build(case)
+    assert bool(model_inputs["attention_mask"].all()) == (case is not MIXED_BATCH)
     expected = stock.generate(**model_inputs, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
     got = ours.generate(**model_inputs, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
     assert got.sequences.tolist() == expected.sequences.tolist()
@@ -74,6 +80,24 @@ def test_padded_vision_features_equal_stock(padded_pair):
     torch.testing.assert_close(got_merged, merged, rtol=1e-5, atol=1e-5)
     assert len(got_deepstack) == len(deepstack) == len(ours.config.vision_config.deepstack_visual_indexes) > 0
     for got_layer, layer in zip(got_deepstack, deepstack):
+        torch.testing.assert_close(got_layer, layer, rtol=1e-5, atol=1e-5)
+
+
+def test_an_image_filling_its_bucket_runs_without_a_mask(padded_pair, monkeypatch):
+    """One image of exactly a bucket's patch count has no padding and one segment: no mask, same features."""
+    ours, stock = padded_pair
+    model_inputs = build(ONE_IMAGE)
+    pixels, grid = model_inputs["pixel_values"], model_inputs["image_grid_thw"]
+    runner = ours.model.visual.runner
+    steps = []
+    monkeypatch.setattr(runner, "buckets", [pixels.shape[0], 128])
+    monkeypatch.setattr(runner, "step", lambda patches, masked, _step=runner.step: steps.append(masked) or _step(patches, masked))
+    with torch.no_grad():
+        got = vision_features(ours.model.visual(pixels, grid_thw=grid))
+        expected = vision_features(stock.model.visual(pixels, grid_thw=grid))
+    assert steps == [False]
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    for got_layer, layer in zip(got[1], expected[1], strict=True):
         torch.testing.assert_close(got_layer, layer, rtol=1e-5, atol=1e-5)
 
 
