@@ -22,6 +22,17 @@ def randn(*shape, dtype):
     return torch.randn(*shape, device=DEVICE).to(dtype)
 
 
+def assert_matmul_close(out, inputs, reference_op):
+    """A fused matmul's output against `reference_op` on float32 copies of `inputs`. In bf16 the fused kernel rounds
+    its prologue's result differently from the separate ops, and over K terms of both signs some outputs land near
+    zero, so the bound is on the error relative to the output's scale (a wrong row, column or norm is off by that
+    whole scale)."""
+    expected = reference_op(*(x.float() if isinstance(x, torch.Tensor) else x for x in inputs))
+    expected = expected[-1] if isinstance(expected, tuple) else expected
+    bound = 1e-5 if out.dtype == torch.float32 else 2**-6  # float32: summation order only
+    assert (out.float() - expected).abs().max() <= bound * expected.abs().max()
+
+
 @contextmanager
 def poisoned_empty():
     """`torch.empty` returns NaN inside (deterministic mode), for the buffers a launcher allocates itself."""
@@ -114,10 +125,9 @@ def test_skinny_matmul(dtype, rows, split_k):
     # N and K are not multiples of the blocks; 3 splits of K = 200 in 32-wide steps leave a short last range.
     x, weight = randn(rows, 200, dtype=dtype), randn(100, 200, dtype=dtype)
     config = kernels.SkinnyConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
-    expected = Torch.linear(x, weight)
     with poisoned_empty():  # the output and the split-K partials
         out = Triton.skinny_matmul(x, weight, config)
-    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    assert_matmul_close(out, (x, weight), Torch.linear)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,17 +147,18 @@ def test_norm_linear_fused_and_chosen(dtype, rows, with_delta):
     """RMSNorm (after the residual add) computed inside the skinny matmul equals the norm kernel then the matmul."""
     hidden, norm_weight, weight = randn(rows, 200, dtype=dtype), randn(200, dtype=dtype), randn(100, 200, dtype=dtype)
     delta = randn(rows, 200, dtype=dtype) if with_delta else None
-    expected_sum, expected = Torch.norm_linear(hidden, delta, norm_weight, 1e-6, weight)
+    expected_sum = hidden if delta is None else hidden + delta
+    inputs = (expected_sum, None, norm_weight, 1e-6, weight)  # the sum as rounded, in float32
     config = kernels.SkinnyConfig(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
     with poisoned_empty():  # the output (and the sum, below)
         sums = torch.empty_like(hidden) if with_delta else None
         out = Triton.skinny_matmul(hidden, weight, config, prologue="add_norm" if with_delta else "norm", delta=delta,
                                    norm_weight=norm_weight, eps=1e-6, sums=sums)
-    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    assert_matmul_close(out, inputs, Torch.norm_linear)
     if with_delta:
         torch.testing.assert_close(sums, expected_sum, rtol=0, atol=0)  # rounded like torch's add
     total, out = Triton.norm_linear(hidden, delta, norm_weight, 1e-6, weight)  # fused or not, by measurement on CUDA
-    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    assert_matmul_close(out, inputs, Torch.norm_linear)
     torch.testing.assert_close(total, expected_sum, rtol=0, atol=0)
     with pytest.raises(ValueError, match="whole rows"):
         Triton.skinny_matmul(hidden, weight, config._replace(split_k=2), prologue="norm", norm_weight=norm_weight)
@@ -157,12 +168,11 @@ def test_norm_linear_fused_and_chosen(dtype, rows, with_delta):
 @pytest.mark.parametrize("split_k", [1, 2], ids=["one-pass", "split-k"])
 def test_silu_linear_fused_and_chosen(dtype, split_k):
     gate_up, weight = randn(3, 2 * 200, dtype=dtype), randn(100, 200, dtype=dtype)
-    expected = Torch.silu_linear(gate_up, weight)
     config = kernels.SkinnyConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
     with poisoned_empty():
         out = Triton.skinny_matmul(gate_up, weight, config, prologue="silu")
-    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
-    torch.testing.assert_close(Triton.silu_linear(gate_up, weight), expected, **TOLERANCE[dtype])
+    assert_matmul_close(out, (gate_up, weight), Torch.silu_linear)
+    assert_matmul_close(Triton.silu_linear(gate_up, weight), (gate_up, weight), Torch.silu_linear)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
