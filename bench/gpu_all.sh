@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: kernel tests, the CUDA tests, the benchmark, the demo (and the
-# GEMV probe with GEMV_PROBE=1; CUDA_TESTS=0 skips the CUDA tests). Usage (on the H200): bash bench/gpu_all.sh [bench args...]. Results land in $OUT (or
+# probes PROBES="gemv pdl ..." names, bench/<name>_probe.py; CUDA_TESTS=0 skips the CUDA tests). Usage (on the H200): bash bench/gpu_all.sh [bench args...]. Results land in $OUT (or
 # bench/results): one log (gpu-all.log), the benchmark's JSON and PNG, and gemv-probe.json.
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -13,10 +13,10 @@ bench_args=("$@")
 # Native kernel checks first: if a kernel is wrong here, benchmark the torch ops instead of wrong kernels.
 echo "== kernel tests $(date +%T)" | tee -a "$log"
 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider 2>&1 | tee -a "$log" || bench_args+=(--torch-ops)
-if [ "${GEMV_PROBE:-0}" = 1 ]; then
-  echo "== GEMV probe" | tee -a "$log"
-  OUT="$out" python3 bench/gemv_probe.py 2>&1 | tee -a "$log"
-fi
+for probe in ${PROBES:-}; do
+  echo "== $probe probe $(date +%T)" | tee -a "$log"
+  OUT="$out" python3 "bench/${probe}_probe.py" 2>&1 | tee -a "$log"
+done
 if [ "${CUDA_TESTS:-1}" = 1 ]; then
   echo "== CUDA tests $(date +%T)" | tee -a "$log"
   python3 -m pytest tests/test_cuda.py -q -s -p no:cacheprovider 2>&1 | tee -a "$log"

@@ -204,24 +204,23 @@ class DecodeRunner:
         hidden = text.embed_tokens(ids)[:, 0]
         rotary = ops.rotary(*text.rotary_emb(hidden, positions))  # shared by all layers
         context = ops.attention_context(self.attendable[:rows], cache_lens, kv_len, hidden.dtype)
-        # Each residual add goes with the RMSNorm after it and the projection after that (one fused kernel where that
-        # measured faster): the next layer's input norm and QKV, the post-attention norm and gate/up, the final norm
-        # and lm_head. `delta` is the output waiting to join the residual stream.
-        delta = None
-        layers = zip(text.layers, self.cache.full_keys, self.cache.full_values, self.qkv_weights, self.gate_up_weights)
-        for layer, keys, values, qkv_weight, gate_up_weight in layers:
-            attn, norm = layer.self_attn, layer.input_layernorm
-            hidden, qkv = ops.norm_linear(hidden, delta, norm.weight, norm.variance_epsilon, qkv_weight)
+        # Each residual add is fused with the RMSNorm that follows it (the next layer's input norm, or the final one).
+        norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]
+        first = text.layers[0].input_layernorm
+        x = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
+        layers = zip(text.layers, norms, self.cache.full_keys, self.cache.full_values, self.qkv_weights, self.gate_up_weights)
+        for layer, next_norm, keys, values, qkv_weight, gate_up_weight in layers:
+            attn, norm = layer.self_attn, layer.post_attention_layernorm
             q = ops.qk_norm_rope_write(
-                qkv, attn.config.num_attention_heads, attn.q_norm.weight, attn.k_norm.weight,
+                ops.linear(x, qkv_weight), attn.config.num_attention_heads, attn.q_norm.weight, attn.k_norm.weight,
                 attn.q_norm.variance_epsilon, rotary, keys, values, self.row_ids[:rows], cache_lens,
             )
             out = ops.decode_attention(q, keys, values, context, kv_len, attn.scaling)
             attn_out = ops.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-            norm = layer.post_attention_layernorm
-            hidden, gate_up = ops.norm_linear(hidden, attn_out, norm.weight, norm.variance_epsilon, gate_up_weight)
-            delta = ops.silu_linear(gate_up, layer.mlp.down_proj.weight)
-        _, logits = ops.norm_linear(hidden, delta, text.norm.weight, text.norm.variance_epsilon, self.model.lm_head.weight)
+            hidden, x = ops.add_rms_norm(hidden, attn_out, norm.weight, norm.variance_epsilon)
+            mlp_out = ops.linear(ops.linear_swiglu(x, gate_up_weight), layer.mlp.down_proj.weight)
+            hidden, x = ops.add_rms_norm(hidden, mlp_out, next_norm.weight, next_norm.variance_epsilon)
+        logits = ops.linear(x, self.model.lm_head.weight)
         cache_lens += 1
         positions += 1
         return logits

@@ -28,8 +28,6 @@ logger = logging.get_logger(__name__)
 
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
 SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages")
-# What the skinny matmul applies to its input on the fly (see `_skinny_matmul_kernel`).
-PROLOGUES = ("plain", "norm", "add_norm", "silu")
 
 
 def fuse_weights(linears) -> torch.Tensor:
@@ -133,18 +131,9 @@ class TorchDecodeOps:
         return F.silu(gate) * up
 
     @classmethod
-    def norm_linear(cls, hidden, delta, norm_weight, eps, weight):
-        """The residual add (when `delta` is given), RMSNorm, then a projection: returns (the sum, or `hidden`;
-        `rms_norm(sum) @ weight.T`). Every decode projection that follows a norm goes through here."""
-        if delta is None:
-            return hidden, cls.linear(cls.rms_norm(hidden, norm_weight, eps), weight)
-        hidden, x = cls.add_rms_norm(hidden, delta, norm_weight, eps)
-        return hidden, cls.linear(x, weight)
-
-    @classmethod
-    def silu_linear(cls, gate_up, weight):
-        """SwiGLU of the fused gate/up output, then the down projection."""
-        return cls.linear(cls.silu_mul(gate_up), weight)
+    def linear_swiglu(cls, x, gate_up_weight):
+        """The fused gate/up projection, then SwiGLU: `silu_mul(x @ gate_up_weight.T)`, `(rows, I)`."""
+        return cls.silu_mul(cls.linear(x, gate_up_weight))
 
     @staticmethod
     def add_layer_norm(hidden, delta, weight, bias, eps):
@@ -159,9 +148,6 @@ class TorchDecodeOps:
 
 
 if triton is not None:
-    # A Triton kernel reads only constexpr globals.
-    NORM, ADD_NORM, SILU = (tl.constexpr(PROLOGUES.index(name)) for name in ("norm", "add_norm", "silu"))
-
     @triton.jit
     def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -335,47 +321,34 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
-        x, delta, norm_weight, sum_out, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w, eps,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr,
+        x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
     ):
-        """`f(x) @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range). Each weight tile is read
+        """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range). Each weight tile is read
         once, coalesced along K, and serves every row: the rows are the narrow side of a `tl.dot` (padded to ROWS,
         tl.dot's minimum). `out` is y itself, or this K range's float32 partial `(splits, rows, n_cols)`.
 
-        `f` (PROLOGUE) is the op before the matmul, computed on the input tiles as they stream by, rounded as the
-        separate kernel would round it: the identity; RMSNorm (one K range: each program sums the squares of whole
-        rows, and scales its float32 results by 1/rms at the end, `norm_weight` having been applied to the input);
-        the residual add `x + delta`, then RMSNorm (the first column block stores the sum); or SwiGLU of the fused
-        gate/up rows `(rows, 2 K)`."""
+        SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program also computes the up columns that
+        go with its gate columns and stores silu(gate) * up, rounded as the separate ops round (one K range)."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
-        squares = tl.zeros((ROWS,), tl.float32)
+        up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
         for start in range(split * k_split, split * k_split + k_split, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            w = tl.load(weight + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < n_cols) & (ks[None, :] < k_len),
-                        other=0.0)
-            live = (row_ids[None, :] < rows) & (ks[:, None] < k_len)
-            offsets = row_ids[None, :] * stride_x + ks[:, None]
-            x_t = tl.load(x + offsets, mask=live, other=0.0)
-            if PROLOGUE == SILU:
-                gate = x_t.to(tl.float32)
-                up = tl.load(x + offsets + k_len, mask=live, other=0.0).to(tl.float32)
-                x_t = (gate / (1.0 + tl.exp(-gate)) * up).to(x_t.dtype)
-            if PROLOGUE == ADD_NORM:
-                x_t = (x_t.to(tl.float32) + tl.load(delta + offsets, mask=live, other=0.0).to(tl.float32)).to(x_t.dtype)
-                if tl.program_id(0) == 0:
-                    tl.store(sum_out + offsets, x_t, mask=live)
-            if (PROLOGUE == NORM) or (PROLOGUE == ADD_NORM):
-                h = x_t.to(tl.float32)
-                squares += tl.sum(h * h, axis=0)
-                x_t = (h * tl.load(norm_weight + ks, mask=ks < k_len, other=0.0).to(tl.float32)[:, None]).to(x_t.dtype)
-            acc = tl.dot(w, x_t, acc)
-        if (PROLOGUE == NORM) or (PROLOGUE == ADD_NORM):
-            acc = acc * (1.0 / tl.sqrt(squares / k_len + eps))[None, :]
+            tile = cols[:, None] * stride_w + ks[None, :]
+            live = (cols[:, None] < n_cols) & (ks[None, :] < k_len)
+            x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
+                          other=0.0)
+            acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
+            if SWIGLU:
+                up_acc = tl.dot(tl.load(weight + n_cols * stride_w + tile, mask=live, other=0.0), x_t, up_acc)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
+        if SWIGLU:
+            gate = acc.to(out.dtype.element_ty).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * up_acc.to(out.dtype.element_ty).to(tl.float32)
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
@@ -408,33 +381,19 @@ class TritonDecodeOps(TorchDecodeOps):
         return cls.measured("linear", x, weight, (lambda: F.linear(x, weight), lambda: cls.skinny_matmul(x, weight)))
 
     @classmethod
-    def norm_linear(cls, hidden, delta, norm_weight, eps, weight):
-        """The norm kernel then `linear`, or one skinny matmul that adds and normalizes its input on the fly:
-        whichever measured faster. (The fused form scales float32 results by 1/rms instead of rounding the
-        normalized input first: the same value, rounded once.)"""
-        separate = lambda: super(TritonDecodeOps, cls).norm_linear(hidden, delta, norm_weight, eps, weight)  # noqa: E731
-        if not cls.skinny(hidden, weight) or (delta is not None and delta.stride() != hidden.stride()):
+    def linear_swiglu(cls, x, gate_up_weight):
+        """The gate/up projection then the SwiGLU kernel, or one skinny matmul with SwiGLU as its epilogue: whichever
+        measured faster."""
+        separate = lambda: super(TritonDecodeOps, cls).linear_swiglu(x, gate_up_weight)  # noqa: E731
+        if not cls.skinny(x, gate_up_weight):
             return separate()
-        sums = hidden if delta is None else torch.empty_like(hidden)
-        fused = lambda: (sums, cls.skinny_matmul(  # noqa: E731
-            hidden, weight, prologue="norm" if delta is None else "add_norm", delta=delta, norm_weight=norm_weight, eps=eps,
-            sums=sums))
-        return cls.measured("norm_linear", hidden, weight, (separate, fused))
+        fused = lambda: cls.skinny_matmul(x, gate_up_weight, swiglu=True)  # noqa: E731
+        return cls.measured("linear_swiglu", x, gate_up_weight, (separate, fused))
 
     @classmethod
-    def silu_linear(cls, gate_up, weight):
-        """The SwiGLU kernel then `linear`, or one skinny matmul computing SwiGLU on the fly: the faster."""
-        separate = lambda: super(TritonDecodeOps, cls).silu_linear(gate_up, weight)  # noqa: E731
-        if not cls.skinny(gate_up, weight, k=gate_up.shape[-1] // 2):
-            return separate()
-        fused = lambda: cls.skinny_matmul(gate_up, weight, prologue="silu")  # noqa: E731
-        return cls.measured("silu_linear", gate_up, weight, (separate, fused))
-
-    @classmethod
-    def skinny(cls, x, weight, k=None) -> bool:
+    def skinny(cls, x, weight) -> bool:
         """Whether the skinny matmul takes these operands: a few rows, unit stride along K."""
-        return (x.dim() == 2 and x.shape[0] <= cls.SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
-                and weight.shape[1] == (k or x.shape[1]))
+        return x.dim() == 2 and x.shape[0] <= cls.SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
 
     @classmethod
     def measured(cls, op, x, weight, candidates):
@@ -494,7 +453,7 @@ class TritonDecodeOps(TorchDecodeOps):
         through a 4-stage pipeline; a matrix with fewer column tiles than SMs also splits K (doubling, while each
         range keeps at least two K steps), its float32 partials summed by a second kernel. Measured on an H200
         (bench/results/*gemv-probe.json), aiming at two programs per SM split too far: one per SM was faster.
-        Where K cannot be split (a normalizing prologue needs whole rows), narrower column tiles fill the SMs.
+        Where K cannot be split (an epilogue needs whole sums), narrower column tiles fill the SMs.
         """
         tiles, split = triton.cdiv(n, block_n), 1
         while can_split and tiles * split < sms and k >= 4 * split * block_k:
@@ -505,27 +464,24 @@ class TritonDecodeOps(TorchDecodeOps):
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
     @classmethod
-    def skinny_matmul(cls, x, weight, config=None, prologue="plain", delta=None, norm_weight=None, eps=0.0, sums=None):
-        """`f(x) @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
-        unit-stride along K; `config` (a SkinnyConfig) overrides the rule. `prologue` names `f`: "plain" (identity),
-        "norm" (RMSNorm with `norm_weight`, `eps`), "add_norm" (RMSNorm of `x + delta`, the sum stored to `sums`),
-        "silu" (SwiGLU of `x` = fused gate/up rows `(M, 2 K)`)."""
-        rows = x.shape[0]
-        n, k = weight.shape
-        normalizes = prologue in ("norm", "add_norm")
+    def skinny_matmul(cls, x, weight, config=None, swiglu=False):
+        """`x @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
+        unit-stride along K; `config` (a SkinnyConfig) overrides the rule. `swiglu`: `weight` is a fused gate/up
+        matrix and the result is SwiGLU of the product, `(M, N / 2)`."""
+        rows, k = x.shape
+        n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if config is None:
             sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-            config = cls.skinny_config(n, k, sms, can_split=not normalizes)
+            config = cls.skinny_config(n, k, sms, can_split=not swiglu)
         k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
         splits = triton.cdiv(k, k_split)
-        if normalizes and splits > 1:
-            raise ValueError("a normalizing prologue needs whole rows: split_k must be 1")
+        if swiglu and splits > 1:
+            raise ValueError("the SwiGLU epilogue needs whole sums: split_k must be 1")
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         parts = out if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
         _skinny_matmul_kernel[(triton.cdiv(n, config.block_n), splits)](
-            x, x if delta is None else delta, weight if norm_weight is None else norm_weight, x if sums is None else sums,
-            weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0), eps,
-            ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PROLOGUE=PROLOGUES.index(prologue),
+            x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
+            ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:
