@@ -10,7 +10,6 @@ The step's matmuls have a few rows, so they are GEMVs bound by reading the weigh
 cuBLAS or a skinny Triton matmul, whichever measured faster on the device for that shape.
 """
 
-import functools
 import statistics
 from collections import namedtuple
 
@@ -24,10 +23,6 @@ try:
     import triton.language as tl
 except ImportError:  # the torch ops cover every environment
     triton = None
-try:
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # a Triton without programmatic dependent launch: kernels launch the usual way
-    gdc_wait = None
 
 logger = logging.get_logger(__name__)
 
@@ -153,13 +148,8 @@ class TorchDecodeOps:
 
 
 if triton is not None:
-
     @triton.jit
-    def _add_rms_norm_kernel(
-        hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    ):
-        if PDL:  # launched before the previous kernel finished: wait for its results before any load
-            gdc_wait()
+    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         keep = cols < n_cols
@@ -174,11 +164,7 @@ if triton is not None:
         tl.store(norm_out + row * n_cols + cols, (x * rstd * w).to(norm_out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _add_layer_norm_kernel(
-        hidden, delta, weight, bias, sum_out, norm_out, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    ):
-        if PDL:  # launched before the previous kernel finished: wait for its results before any load
-            gdc_wait()
+    def _add_layer_norm_kernel(hidden, delta, weight, bias, sum_out, norm_out, n_cols, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         keep = cols < n_cols
@@ -220,11 +206,9 @@ if triton is not None:
 
     @triton.jit
     def _vision_qkv_rope_kernel(
-        qkv, cos, sin, q_out, k_out, v_out, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+        qkv, cos, sin, q_out, k_out, v_out, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
     ):
         """One patch, all heads: q and k rotated in float32 and rounded once, v copied; all three to `(N, H, D)`."""
-        if PDL:  # launched before the previous kernel finished: wait for its results before any load
-            gdc_wait()
         row = tl.program_id(0)
         half = tl.arange(0, HEAD_DIM // 2)[None, :]
         c1 = tl.load(cos + row * HEAD_DIM + half)
@@ -245,10 +229,8 @@ if triton is not None:
     def _qk_norm_rope_write_kernel(
         qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, eps,
         stride_cache_row, stride_cache_head, stride_cache_slot,
-        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
-        if PDL:  # launched before the previous kernel finished: wait for its results before any load
-            gdc_wait()
         row = tl.program_id(0)
         head = tl.program_id(1)  # < HEADS: a query head; else a key head (and the value head that goes with it)
         half = tl.arange(0, HEAD_DIM // 2)
@@ -276,11 +258,9 @@ if triton is not None:
         q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
         stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
         SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Flash-decoding, pass 1: one (row, KV head, chunk of slots) per program, online softmax over the chunk."""
-        if PDL:  # launched before the previous kernel finished: wait for its results before any load
-            gdc_wait()
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -316,12 +296,8 @@ if triton is not None:
         tl.store(part_sum + part, total, mask=group < GROUP)
 
     @triton.jit
-    def _attention_combine_kernel(
-        part_out, part_max, part_sum, out, SPLITS, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
-    ):
+    def _attention_combine_kernel(part_out, part_max, part_sum, out, SPLITS, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
         """Flash-decoding, pass 2: merge the chunks of one (row, query head)."""
-        if PDL:  # launched before the previous kernel finished: wait for its results before any load
-            gdc_wait()
         head = tl.program_id(0)  # row * HEADS + query head
         splits = tl.arange(0, SPLITS_PAD)
         dims = tl.arange(0, HEAD_DIM)
@@ -335,9 +311,7 @@ if triton is not None:
         tl.store(out + head * HEAD_DIM + dims, result.to(out.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # launched before the previous kernel finished: wait for its results before any load
-            gdc_wait()
+    def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         keep = cols < n_cols
@@ -348,7 +322,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["rows"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
         x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
     ):
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range). Each weight tile is read
         once, coalesced along K, and serves every row: the rows are the narrow side of a `tl.dot` (padded to ROWS,
@@ -356,8 +330,6 @@ if triton is not None:
 
         SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program also computes the up columns that
         go with its gate columns and stores silu(gate) * up, rounded as the separate ops round (one K range)."""
-        if PDL:  # launched before the previous kernel finished: wait for its results before any load
-            gdc_wait()
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
@@ -380,26 +352,14 @@ if triton is not None:
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr):
         """Split-K, pass 2: add the float32 partials and round once."""
-        if PDL:  # launched before the previous kernel finished: wait for its results before any load
-            gdc_wait()
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         keep = offsets < numel
         total = tl.zeros((BLOCK,), tl.float32)
         for split in range(splits):
             total += tl.load(parts + split * numel + offsets, mask=keep, other=0.0)
         tl.store(out + offsets, total.to(out.dtype.element_ty), mask=keep)
-
-
-@functools.cache
-def launch_options(device: torch.device) -> dict:
-    """Programmatic dependent launch (PDL, sm90 and later, where this Triton has it): each kernel may start while
-    the previous one drains and waits (`griddepcontrol.wait`) for its results before any load, so a kernel
-    boundary costs less. In a CUDA graph of 28 x (RMSNorm -> GEMV), PDL saved 0.4 us per pair on the QKV shape and
-    1.4 us on gate/up on an H200 (bench/pdl_probe.py). Loading weights before the wait measured slower."""
-    enabled = gdc_wait is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if enabled else {"PDL": False}
 
 
 class TritonDecodeOps(TorchDecodeOps):
@@ -522,12 +482,11 @@ class TritonDecodeOps(TorchDecodeOps):
         _skinny_matmul_kernel[(triton.cdiv(n, config.block_n), splits)](
             x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
             ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
-            num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x.device),
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:
             block = 1024
-            _sum_splits_kernel[(triton.cdiv(rows * n, block),)](parts, out, rows * n, splits, BLOCK=block,
-                                                                **launch_options(x.device))
+            _sum_splits_kernel[(triton.cdiv(rows * n, block),)](parts, out, rows * n, splits, BLOCK=block)
         return out
 
     @staticmethod
@@ -542,14 +501,14 @@ class TritonDecodeOps(TorchDecodeOps):
     def rms_norm(x, weight, eps):
         out = torch.empty_like(x)
         _add_rms_norm_kernel[(x.shape[0],)](x, x, weight, x, out, x.shape[1], eps, HAS_DELTA=False,
-                                            BLOCK=triton.next_power_of_2(x.shape[1]), **launch_options(x.device))
+                                            BLOCK=triton.next_power_of_2(x.shape[1]))
         return out
 
     @staticmethod
     def add_rms_norm(hidden, delta, weight, eps):
         total, out = torch.empty_like(hidden), torch.empty_like(hidden)
         _add_rms_norm_kernel[(hidden.shape[0],)](hidden, delta, weight, total, out, hidden.shape[1], eps, HAS_DELTA=True,
-                                                 BLOCK=triton.next_power_of_2(hidden.shape[1]), **launch_options(hidden.device))
+                                                 BLOCK=triton.next_power_of_2(hidden.shape[1]))
         return total, out
 
     @staticmethod
@@ -560,7 +519,7 @@ class TritonDecodeOps(TorchDecodeOps):
         _qk_norm_rope_write_kernel[(rows, heads + kv_heads)](
             qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, eps,
             keys.stride(0), keys.stride(1), keys.stride(2),
-            HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, **launch_options(qkv.device),
+            HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
         return q
 
@@ -570,7 +529,7 @@ class TritonDecodeOps(TorchDecodeOps):
         q, k, v = torch.empty(3, length, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         _vision_qkv_rope_kernel[(length,)](
             qkv, cos.float().contiguous(), sin.float().contiguous(), q, k, v,
-            HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=head_dim, **launch_options(qkv.device),
+            HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=head_dim,
         )
         return tuple(states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))
 
@@ -588,12 +547,11 @@ class TritonDecodeOps(TorchDecodeOps):
             q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_N=cls.BLOCK_N, **launch_options(q.device),
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_N=cls.BLOCK_N,
         )
         out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
         _attention_combine_kernel[(rows * heads,)](
-            part_out, part_max, part_sum, out, splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
-            **launch_options(q.device),
+            part_out, part_max, part_sum, out, splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim
         )
         return out
 
@@ -601,7 +559,7 @@ class TritonDecodeOps(TorchDecodeOps):
     def add_layer_norm(hidden, delta, weight, bias, eps):
         total, out = torch.empty_like(hidden), torch.empty_like(hidden)
         _add_layer_norm_kernel[(hidden.shape[0],)](hidden, delta, weight, bias, total, out, hidden.shape[1], eps,
-                                                   BLOCK=triton.next_power_of_2(hidden.shape[1]), **launch_options(hidden.device))
+                                                   BLOCK=triton.next_power_of_2(hidden.shape[1]))
         return total, out
 
     @staticmethod
@@ -617,7 +575,7 @@ class TritonDecodeOps(TorchDecodeOps):
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block, **launch_options(gate_up.device))
+        _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block)
         return out
 
 

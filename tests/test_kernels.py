@@ -198,13 +198,6 @@ def test_skinny_config_splits_narrow_matrices_only():
     assert whole_sums.split_k == 1 and whole_sums.block_n == 32
 
 
-def test_programmatic_dependent_launch_only_where_it_exists():
-    assert kernels.launch_options(torch.device("cpu")) == {"PDL": False}  # the interpreter: plain launches
-    if DEVICE == "cuda":
-        hopper = torch.cuda.get_device_capability()[0] >= 9 and kernels.gdc_wait is not None
-        assert kernels.launch_options(torch.device("cuda", 0)) == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
-
-
 def test_ops_selection():
     assert kernels.decode_ops(torch.device("cpu"), torch.bfloat16, True) is Torch
     assert kernels.decode_ops(torch.device("cuda"), torch.float32, True) is Torch  # tl.dot would round to TF32
