@@ -148,6 +148,7 @@ class TorchDecodeOps:
 
 
 if triton is not None:
+
     @triton.jit
     def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
