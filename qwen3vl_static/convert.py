@@ -260,9 +260,12 @@ The settings below can be changed when loading, e.g.
 - Graphs exist per batch-size bucket and per KV-length bucket; a step attends only to the cache slots of its
   length bucket, not to the whole `static_cache_len`.
 - The vision tower keeps each image size's position tables and, on CUDA, replays CUDA graphs per patch-count
-  bucket (padding patches are masked out); its patch embedding runs as one matrix product by default.
+  bucket (padding patches are masked out; a single image that fills its bucket needs no mask); its patch
+  embedding runs as one matrix product, its residual adds are fused with the LayerNorms, and its GELU runs as the
+  epilogue of the MLP's first matmul.
 - Prefill runs the language model on fixed-shape tensors (no host syncs) and, on CUDA, replays CUDA graphs per
-  prompt-length bucket; padding is neutralised by the attention mask.
+  prompt-length bucket; a prompt without padding needs only causal attention, and a padded batch's padding is
+  neutralised by the attention mask.
 - `generate()`'s input preparation, logits processors and stopping criteria are transformers' own.
 
 Measured speed-ups depend on the GPU, batch size and lengths; the numbers live in the qwen3vl-static project's

@@ -184,9 +184,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         """Capture the CUDA graphs ahead of time, so no `generate` call waits for a capture.
 
         - decode: every (batch size, `cache_lengths` = prompt + new tokens, mode) combination;
-        - prefill: every (batch size, `prompt_lengths`) combination within `prefill_graph_tokens`;
+        - prefill: every (batch size, `prompt_lengths`) combination within `prefill_graph_tokens` (batches of
+          several rows both unpadded and padded);
         - vision: every `image_patches` count (all images of one call; a 448x448 image has 784 patches) within
-          `vision_graph_patches`.
+          `vision_graph_patches` (with the block-diagonal mask; a count equal to its bucket also without it).
         Each size is rounded up to its bucket, and each list defaults to every configured bucket. Returns the
         capture time in seconds (0 where graphs are not used: CPU, or `use_cuda_graphs=False`).
         """
