@@ -52,6 +52,23 @@ def test_buckets_never_exceed_the_cache(padded_pair):
     assert ours.model.visual.runner.bucket(24) == 128 and ours.model.visual.runner.bucket(129) is None
 
 
+def test_warmup_keys_cover_padding_and_masks(padded_pair):
+    """Prefill: several rows get the unpadded and the padded graph. Vision: every count its bucket's masked graph,
+    a count that fills its bucket also the mask-free one; counts over the limit none."""
+    ours, _ = padded_pair
+    assert ours._prefill_runner.warmup_keys([1, 3], [50]) == [(4, 64, True), (4, 64, False), (1, 64, False)]
+    runner = ours.model.visual.runner
+    assert runner.warmup_keys([24]) == [(128, True)]
+    assert runner.warmup_keys([24, 128, 200]) == [(128, True), (128, False)]
+
+
+def test_patch_buckets_are_four_per_octave():
+    assert tiny_config(vision_graph_patches=4096).patch_buckets() == [
+        256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096]
+    assert tiny_config(vision_graph_patches=1000).patch_buckets()[-3:] == [768, 896, 1000]  # the limit is a bucket
+    assert tiny_config(vision_graph_patches=0).patch_buckets() == []
+
+
 @pytest.mark.parametrize(
     "case", [TEXT, ONE_IMAGE, TWO_IMAGES, MIXED_BATCH, UNPADDED_BATCH], ids=["text", "image", "two-images", "mixed", "batch"]
 )
