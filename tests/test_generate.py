@@ -217,3 +217,23 @@ def test_chunked_device_loop_stops_like_stock(tiny_pair, steps_per_sync):
     finally:
         runner.steps_per_sync = default
     assert expected.shape[1] < free_run.shape[1] and used_static_loop(ours)
+
+
+def test_synced_gpus_runs_the_stock_loop_on_the_static_cache(tiny_pair, tmp_path):
+    """`synced_gpus` (ZeRO-3 style lockstep) needs transformers' loop. After a static-loop call filled the cache, it
+    runs on the same cache (marked empty first), equals stock, and the next call takes the static loop again. One
+    process, a world of one."""
+    import torch.distributed as dist
+
+    ours, stock = tiny_pair
+    model_inputs = build(ONE_IMAGE)
+    assert_same_generate(ours, stock, model_inputs, max_new_tokens=12, do_sample=False)
+    assert used_static_loop(ours)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        assert_same_generate(ours, stock, model_inputs, max_new_tokens=12, do_sample=False, synced_gpus=True)
+        assert not used_static_loop(ours)
+    finally:
+        dist.destroy_process_group()
+    assert_same_generate(ours, stock, model_inputs, max_new_tokens=12, do_sample=False)
+    assert used_static_loop(ours)
