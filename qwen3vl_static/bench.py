@@ -179,7 +179,7 @@ def ttft_breakdown(ours, stock, prompts) -> list:
     for name, prompt in prompts.items():
         pixels, grid = prompt["pixel_values"].to(torch.bfloat16), prompt["image_grid_thw"]
         row = {"image": name, "patches": pixels.shape[0], "prompt_tokens": prompt["input_ids"].shape[1],
-               "vision_bucket": runner.bucket(pixels.shape[0]),
+               "vision_graph": runner.shape(pixels.shape[0], int(grid[:, 0].sum())),  # (patches computed, masked)
                "prefill_bucket": ours._prefill_runner.bucket(1, prompt["input_ids"].shape[1])}
         row["ttft_ms"] = best_ms(lambda: timed_generate(ours, prompt, 1))
         with instrumented(generate_stages(ours)) as (spans, _):
@@ -189,8 +189,7 @@ def ttft_breakdown(ours, stock, prompts) -> list:
         row["other_ms"] = total - sum(spans.values())  # generate's own host work, first token, syncs
         with torch.no_grad():
             row["vision_tower_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
-            masked = int(grid[:, 0].sum()) > 1 or pixels.shape[0] < row["vision_bucket"]  # the graph this call replays
-            row.update(replay_times(runner.graphs.get((row["vision_bucket"], masked)), "vision_graph"))
+            row.update(replay_times(runner.graphs.get(row["vision_graph"]), "vision_graph"))
             runner.bucketed = False
             row["vision_tower_eager_exact_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
             runner.bucketed = True

@@ -187,8 +187,9 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         - prefill: every (batch size, `prompt_lengths`) combination within `prefill_graph_tokens` (batches of
           several rows both unpadded and padded);
         - vision: every `image_patches` count (all images of one call; a 448x448 image has 784 patches) within
-          `vision_graph_patches` (with the block-diagonal mask; a count equal to its bucket also without it).
-        Each size is rounded up to its bucket, and each list defaults to every configured bucket. Returns the
+          `vision_graph_patches`: a single image's graph at exactly that count, and the padded bucket graph for
+          several images. By default every bucket (a single image's own graph is then captured on first use).
+        Each other size is rounded up to its bucket, and each list defaults to every configured bucket. Returns the
         capture time in seconds (0 where graphs are not used: CPU, or `use_cuda_graphs=False`).
         """
         self.static_cache()
@@ -199,7 +200,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             captures = [partial(runner.capture, *key) for key in keys if key not in runner.graphs]
             keys = prefill.warmup_keys(batch_sizes, prompt_lengths or prefill.token_buckets)
             captures += [partial(prefill.capture, *key) for key in keys if prefill.use_graphs and key not in prefill.graphs]
-            keys = vision.warmup_keys(image_patches or vision.buckets)
+            keys = vision.warmup_keys(image_patches)
             captures += [partial(vision.capture, *key) for key in keys if vision.use_graphs and key not in vision.graphs]
             if not runner.use_graphs:
                 return 0.0

@@ -7,10 +7,13 @@
   a block-diagonal mask, built once per vision forward and shared by every block.
 - `Qwen3VLGraphVisionModel` is the stock tower whose forward hands over to the model's `VisionRunner` once
   the model attached one (`static_cache()`). The runner keeps each image size's position tables, and on CUDA
-  pads the patches of a call to a patch-count bucket and replays the tower as a CUDA graph: padding patches
-  form a segment of their own in the block-diagonal mask, so real patches never see them. A single image that
-  fills its bucket exactly needs no mask, and gets a graph without one. Every caller of the tower (generate's
-  pre-encoding on 5.2x, the stock forward, `get_image_features`) gets the fast path.
+  replays the tower as a CUDA graph. A single image (one segment) runs at its exact patch count with no mask:
+  one graph per image size, captured on first use, the `table_cache_size` most recent sizes kept. Several
+  images or frames are padded to a patch-count bucket: padding patches form a segment of their own in the
+  block-diagonal mask, so real patches never see them. (On an H200, a 448x448 image took 1.99 ms at its exact
+  size against 2.32 ms padded to the 896 bucket with the mask: bench/results/*vision-bucket-probe.json.)
+  Every caller of the tower (generate's pre-encoding on 5.2x, the stock forward, `get_image_features`) gets
+  the fast path.
 - The runner's blocks fuse each residual add with the LayerNorm after it, and (CUDA) the MLP's GELU with its
   first projection, on the stock parameters.
 """
@@ -142,7 +145,8 @@ class VisionRunner:
         self.bucketed = bucketed and bool(patch_buckets) and config._attn_implementation == "sdpa"
         self.can_use_graphs = self.bucketed
         self.use_graphs = use_graphs and self.can_use_graphs
-        self.graphs = {}  # (bucket, masked) -> graph
+        self.graphs = {}  # (patches, masked) -> graph
+        self.single_sizes = OrderedDict()  # patch counts of single-image graphs, least recently used first
         self.tables = OrderedDict()  # (t, h, w) -> tables, least recently used first
         self.table_cache_size = table_cache_size
         patches = patch_buckets[-1] if self.bucketed else 0
@@ -185,6 +189,14 @@ class VisionRunner:
             return None
         return self.buckets[bisect.bisect_left(self.buckets, patches)]
 
+    def shape(self, patches: int, segments: int):
+        """(patches computed, masked) of a call: a single segment at its exact size without a mask, several
+        padded to their bucket with the block-diagonal mask; None when the call runs eagerly at its exact size."""
+        bucket = self.bucket(patches)
+        if bucket is None:
+            return None
+        return (patches, False) if segments == 1 else (bucket, True)
+
     def encode(self, pixel_values, grid_thw):
         """`(last hidden states (patches, hidden), merged tokens (n, out_hidden), DeepStack features
         [(n, out_hidden)])` for all images of the call, in order; new tensors (the next call reuses the buffers)."""
@@ -196,8 +208,8 @@ class VisionRunner:
                 f"{sum(t * h * w for t, h, w in grids)}."
             )
         tables = [self.table(grid) for grid in grids]
-        bucket = self.bucket(patches)
-        if bucket is None:
+        shape = self.shape(patches, sum(t for t, _, _ in grids))
+        if shape is None:
             lengths = [h * w for t, h, w in grids for _ in range(t)]  # one attention segment per frame
             cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(pixel_values.device)
             positions, cos, sin, _ = (torch.cat(parts) for parts in zip(*tables))
@@ -210,13 +222,16 @@ class VisionRunner:
             self.sin[start:end] = sin
             self.segments[start:end] = frames + segment
             start, segment = end, segment + t
-        self.segments[patches:bucket] = -1  # padding: a segment of its own
+        size, masked = shape
+        self.segments[patches:size] = -1  # padding: a segment of its own
         self.pixels[:patches] = pixel_values
-        masked = segment > 1 or patches < bucket
         if self.use_graphs:
-            (self.graphs.get((bucket, masked)) or self.capture(bucket, masked)).replay()
+            graph = self.graphs.get(shape) or self.capture(size, masked)
+            if not masked:
+                self.single_sizes.move_to_end(size)
+            graph.replay()
         else:
-            self.step(bucket, masked)
+            self.step(size, masked)
         merged = patches // self.unit
         return self.hidden[:patches].clone(), self.merged[:merged].clone(), [part[:merged].clone() for part in self.deepstack]
 
@@ -244,6 +259,10 @@ class VisionRunner:
             lambda: self.step(patches, masked), name=f"vision ({patches} patches{'' if masked else ', one image'})"
         )
         self.graphs[(patches, masked)] = graph
+        if not masked:  # one graph per image size: keep the most recent sizes
+            self.single_sizes[patches] = None
+            if len(self.single_sizes) > self.table_cache_size:
+                self.graphs.pop((self.single_sizes.popitem(last=False)[0], False))
         return graph
 
     def tower(self, pixels, positions, cos, sin, cu_seqlens):
@@ -273,9 +292,11 @@ class VisionRunner:
                 deepstack.append(visual.deepstack_merger_list[visual.deepstack_visual_indexes.index(index)](hidden))
         return hidden, visual.merger(hidden), deepstack
 
-    def warmup_keys(self, patch_counts) -> list:
-        """The (bucket, masked) graphs for these patch counts, largest first: the masked graph of each count's
-        bucket (any images of that many patches), and the unmasked one where a count fills its bucket exactly."""
-        buckets = {(patches, self.bucket(patches)) for patches in patch_counts} - {(patches, None) for patches in patch_counts}
-        keys = {(bucket, True) for _, bucket in buckets} | {(bucket, False) for patches, bucket in buckets if patches == bucket}
+    def warmup_keys(self, patch_counts=None) -> list:
+        """The (patches, masked) graphs for these patch counts, largest first: for each count, its exact size (one
+        image) and its bucket (several images of that many patches in all). Without counts: every bucket (single
+        images of sizes not known in advance get theirs on first use)."""
+        if patch_counts is None:
+            return sorted(((bucket, True) for bucket in self.buckets if self.bucketed), reverse=True)
+        keys = {shape for patches in patch_counts for shape in (self.shape(patches, 1), self.shape(patches, 2)) if shape}
         return sorted(keys, reverse=True)

@@ -1,5 +1,8 @@
 """The prefill and vision runners: their padded, graph-shaped path (what CUDA runs) equals stock on the CPU."""
 
+from collections import OrderedDict
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -53,13 +56,14 @@ def test_buckets_never_exceed_the_cache(padded_pair):
 
 
 def test_warmup_keys_cover_padding_and_masks(padded_pair):
-    """Prefill: several rows get the unpadded and the padded graph. Vision: every count its bucket's masked graph,
-    a count that fills its bucket also the mask-free one; counts over the limit none."""
+    """Prefill: several rows get the unpadded and the padded graph. Vision: every count its exact-size graph (one
+    image) and its bucket's masked graph (several); counts over the limit none; by default the buckets."""
     ours, _ = padded_pair
     assert ours._prefill_runner.warmup_keys([1, 3], [50]) == [(4, 64, True), (4, 64, False), (1, 64, False)]
     runner = ours.model.visual.runner
-    assert runner.warmup_keys([24]) == [(128, True)]
-    assert runner.warmup_keys([24, 128, 200]) == [(128, True), (128, False)]
+    assert runner.warmup_keys() == [(128, True)]
+    assert runner.warmup_keys([24]) == [(128, True), (24, False)]
+    assert runner.warmup_keys([24, 128, 200]) == [(128, True), (128, False), (24, False)]
 
 
 def test_patch_buckets_are_four_per_octave():
@@ -100,22 +104,40 @@ def test_padded_vision_features_equal_stock(padded_pair):
         torch.testing.assert_close(got_layer, layer, rtol=1e-5, atol=1e-5)
 
 
-def test_an_image_filling_its_bucket_runs_without_a_mask(padded_pair, monkeypatch):
-    """One image of exactly a bucket's patch count has no padding and one segment: no mask, same features."""
+def test_a_single_image_runs_at_its_exact_size_without_a_mask(padded_pair, monkeypatch):
+    """One image (one segment) needs no padding and no mask: its own size, the same features as stock."""
     ours, stock = padded_pair
     model_inputs = build(ONE_IMAGE)
     pixels, grid = model_inputs["pixel_values"], model_inputs["image_grid_thw"]
     runner = ours.model.visual.runner
     steps = []
-    monkeypatch.setattr(runner, "buckets", [pixels.shape[0], 128])
-    monkeypatch.setattr(runner, "step", lambda patches, masked, _step=runner.step: steps.append(masked) or _step(patches, masked))
+    monkeypatch.setattr(runner, "step", lambda patches, masked, _step=runner.step: steps.append((patches, masked)) or _step(patches, masked))
     with torch.no_grad():
         got = vision_features(ours.model.visual(pixels, grid_thw=grid))
         expected = vision_features(stock.model.visual(pixels, grid_thw=grid))
-    assert steps == [False]
+    assert steps == [(pixels.shape[0], False)] and runner.bucket(pixels.shape[0]) > pixels.shape[0]
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
     for got_layer, layer in zip(got[1], expected[1], strict=True):
         torch.testing.assert_close(got_layer, layer, rtol=1e-5, atol=1e-5)
+
+
+def test_single_image_graphs_keep_the_most_recent_sizes(padded_pair, monkeypatch):
+    """One graph per single-image size, at most `vision_table_cache_size` (2 here), least recently used dropped.
+    (A stand-in capturer: graphs need CUDA; the bookkeeping does not.)"""
+    ours, _ = padded_pair
+    runner = ours.model.visual.runner
+
+    class Capturer:
+        def capture(self, step, state=(), name=""):
+            return SimpleNamespace(replay=lambda: None)
+
+    for name, value in {"capturer": Capturer(), "use_graphs": True, "graphs": {}, "single_sizes": OrderedDict()}.items():
+        monkeypatch.setattr(runner, name, value)
+    for grid in [(1, 4, 4), (1, 4, 8), (1, 4, 4), (1, 8, 8), (1, 4, 4)]:
+        runner.encode(torch.randn(grid[1] * grid[2], runner.pixels.shape[1]), torch.tensor([grid]))
+    assert sorted(runner.graphs) == [(16, False), (64, False)]  # 32 patches: least recently used, dropped
+    runner.encode(torch.randn(48, runner.pixels.shape[1]), torch.tensor([[1, 4, 4], [1, 4, 8]]))  # two images
+    assert (128, True) in runner.graphs and len(runner.single_sizes) == 2
 
 
 def test_vision_tables_are_cached_with_a_bound(padded_pair):
