@@ -45,13 +45,14 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             power-of-two token buckets (from 16) and replayed as a CUDA graph; larger prompts run the same prefill
             eagerly at their exact size. 0 turns prefill graphs off.
         vision_graph_patches (`int`, defaults to 4096):
-            Largest vision input (all images and videos of one call, in patches) that is padded to a patch bucket
-            and replayed as a CUDA graph; larger inputs run eagerly at their exact size. Buckets are four per
-            octave from 256 (256, 320, 384, 448, 512, 640, ...: at most 25% padding); a 448x448 image has 784
-            patches, a 1024x1024 one 4096. 0 turns vision graphs off. Must be a multiple of `spatial_merge_size**2`.
+            Largest vision input (all images and videos of one call, in patches) that is replayed as a CUDA graph:
+            a single image at its exact size (no mask), several padded to a patch bucket (four per octave from
+            256: 256, 320, 384, 448, 512, 640, ...; at most 25% padding). Larger inputs run eagerly at their exact
+            size. A 448x448 image has 784 patches, a 1024x1024 one 4096. 0 turns vision graphs off. Must be a
+            multiple of `spatial_merge_size**2`.
         vision_table_cache_size (`int`, defaults to 16):
-            Image sizes whose vision position tables (interpolated position embeddings, rotary cos/sin) are kept
-            for reuse.
+            Image sizes whose vision position tables (interpolated position embeddings, rotary cos/sin), and
+            single-image vision graphs, are kept for reuse.
         patch_embed_mode (`str`, defaults to `"gemm"`):
             How the vision patch embedding runs: `"gemm"` (the stride-equals-kernel Conv3d as one matrix product on
             the same weights), `"conv3d"` (stock) or `"channels_last_3d"` (Conv3d in channels-last-3d layout).

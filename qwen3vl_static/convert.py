@@ -259,8 +259,8 @@ The settings below can be changed when loading, e.g.
   sizes.
 - Graphs exist per batch-size bucket and per KV-length bucket; a step attends only to the cache slots of its
   length bucket, not to the whole `static_cache_len`.
-- The vision tower keeps each image size's position tables and, on CUDA, replays CUDA graphs per patch-count
-  bucket (padding patches are masked out; a single image that fills its bucket needs no mask); its patch
+- The vision tower keeps each image size's position tables and, on CUDA, replays CUDA graphs: a single image at
+  its exact size, several images padded to a patch-count bucket (padding patches are masked out); its patch
   embedding runs as one matrix product, its residual adds are fused with the LayerNorms, and its GELU runs as the
   epilogue of the MLP's first matmul.
 - Prefill runs the language model on fixed-shape tensors (no host syncs) and, on CUDA, replays CUDA graphs per
