@@ -227,8 +227,11 @@ class VisionRunner:
         self.pixels[:patches] = pixel_values
         if self.use_graphs:
             graph = self.graphs.get(shape) or self.capture(size, masked)
-            if not masked:
+            if not masked:  # one graph per image size: keep the most recently used sizes
+                self.single_sizes[size] = None
                 self.single_sizes.move_to_end(size)
+                while len(self.single_sizes) > self.table_cache_size:
+                    self.graphs.pop((self.single_sizes.popitem(last=False)[0], False), None)
             graph.replay()
         else:
             self.step(size, masked)
@@ -259,10 +262,6 @@ class VisionRunner:
             lambda: self.step(patches, masked), name=f"vision ({patches} patches{'' if masked else ', one image'})"
         )
         self.graphs[(patches, masked)] = graph
-        if not masked:  # one graph per image size: keep the most recent sizes
-            self.single_sizes[patches] = None
-            if len(self.single_sizes) > self.table_cache_size:
-                self.graphs.pop((self.single_sizes.popitem(last=False)[0], False))
         return graph
 
     def tower(self, pixels, positions, cos, sin, cu_seqlens):

@@ -138,6 +138,9 @@ def test_single_image_graphs_keep_the_most_recent_sizes(padded_pair, monkeypatch
     assert sorted(runner.graphs) == [(16, False), (64, False)]  # 32 patches: least recently used, dropped
     runner.encode(torch.randn(48, runner.pixels.shape[1]), torch.tensor([[1, 4, 4], [1, 4, 8]]))  # two images
     assert (128, True) in runner.graphs and len(runner.single_sizes) == 2
+    monkeypatch.setattr(runner, "table_cache_size", 0)  # no single-image graph kept: each call still runs
+    runner.encode(torch.randn(16, runner.pixels.shape[1]), torch.tensor([[1, 4, 4]]))
+    assert sorted(runner.graphs) == [(128, True)] and not runner.single_sizes
 
 
 def test_vision_tables_are_cached_with_a_bound(padded_pair):
