@@ -173,7 +173,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
             )
         rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences)
-        cache = self.static_cache()
+        cache = self._static_cache  # checked and current: `generate` called `static_cache()` under its lock
         cache.check_capacity(rows, max_cache_length)
         cache.activate(rows, max_cache_length)
         model_kwargs[CACHE_KWARG] = cache

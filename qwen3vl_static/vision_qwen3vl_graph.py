@@ -145,8 +145,7 @@ class VisionRunner:
         self.bucketed = bucketed and bool(patch_buckets) and config._attn_implementation == "sdpa"
         self.can_use_graphs = self.bucketed
         self.use_graphs = use_graphs and self.can_use_graphs
-        self.graphs = {}  # (patches, masked) -> graph
-        self.single_sizes = OrderedDict()  # patch counts of single-image graphs, least recently used first
+        self.graphs = OrderedDict()  # (patches, masked) -> graph; single-image ones least recently used first
         self.tables = OrderedDict()  # (t, h, w) -> tables, least recently used first
         self.table_cache_size = table_cache_size
         patches = patch_buckets[-1] if self.bucketed else 0
@@ -228,10 +227,10 @@ class VisionRunner:
         if self.use_graphs:
             graph = self.graphs.get(shape) or self.capture(size, masked)
             if not masked:  # one graph per image size: keep the most recently used sizes
-                self.single_sizes[size] = None
-                self.single_sizes.move_to_end(size)
-                while len(self.single_sizes) > self.table_cache_size:
-                    self.graphs.pop((self.single_sizes.popitem(last=False)[0], False), None)
+                self.graphs.move_to_end(shape)
+                singles = [key for key in self.graphs if not key[1]]
+                for key in singles[: max(0, len(singles) - self.table_cache_size)]:
+                    del self.graphs[key]
             graph.replay()
         else:
             self.step(size, masked)

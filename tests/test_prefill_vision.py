@@ -131,16 +131,16 @@ def test_single_image_graphs_keep_the_most_recent_sizes(padded_pair, monkeypatch
         def capture(self, step, state=(), name=""):
             return SimpleNamespace(replay=lambda: None)
 
-    for name, value in {"capturer": Capturer(), "use_graphs": True, "graphs": {}, "single_sizes": OrderedDict()}.items():
+    for name, value in {"capturer": Capturer(), "use_graphs": True, "graphs": OrderedDict()}.items():
         monkeypatch.setattr(runner, name, value)
     for grid in [(1, 4, 4), (1, 4, 8), (1, 4, 4), (1, 8, 8), (1, 4, 4)]:
         runner.encode(torch.randn(grid[1] * grid[2], runner.pixels.shape[1]), torch.tensor([grid]))
     assert sorted(runner.graphs) == [(16, False), (64, False)]  # 32 patches: least recently used, dropped
     runner.encode(torch.randn(48, runner.pixels.shape[1]), torch.tensor([[1, 4, 4], [1, 4, 8]]))  # two images
-    assert (128, True) in runner.graphs and len(runner.single_sizes) == 2
+    assert sorted(runner.graphs) == [(16, False), (64, False), (128, True)]  # a bucket graph is not a single size
     monkeypatch.setattr(runner, "table_cache_size", 0)  # no single-image graph kept: each call still runs
     runner.encode(torch.randn(16, runner.pixels.shape[1]), torch.tensor([[1, 4, 4]]))
-    assert sorted(runner.graphs) == [(128, True)] and not runner.single_sizes
+    assert sorted(runner.graphs) == [(128, True)]
 
 
 def test_vision_tables_are_cached_with_a_bound(padded_pair):
