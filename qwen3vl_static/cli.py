@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         help="generate end to end with a random-weight model (offline)",
         description="CPU: a tiny random Qwen3-VL generates from an image prompt through the static loop and is "
         "checked against stock transformers. CUDA: the real Qwen3-VL-2B shapes with random bf16 weights, "
-        "decode graphs captured ahead of time.",
+        "decode graphs captured ahead of time, checked against the same steps run eagerly (bf16).",
     )
     demo.add_argument("--new-tokens", type=int, default=32)
     demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -75,7 +75,7 @@ def _demo(args) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda":
-        model, stock = build_models(device, torch.bfloat16)
+        model, _ = build_models(device, torch.bfloat16)
         inputs = image_prompt(model.config, device, torch.Generator().manual_seed(0))
         print("model: real Qwen3-VL-2B shapes, random bf16 weights;", f"prompt: {inputs['input_ids'].shape[1]} tokens")
         print(f"captured CUDA graphs in {model.warmup(batch_sizes=[1], modes=('greedy',)):.2f} s")
@@ -98,13 +98,22 @@ def _demo(args) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
-    expected = stock.generate(**inputs, **kwargs)
     new = ours[0, inputs["input_ids"].shape[1]:]
     print(f"generated {len(new)} tokens in {1000 * seconds:.1f} ms ({len(new) / seconds:.1f} tokens/s, prefill included)")
     print("tokens:", new.tolist() if decode is None else repr(decode(new)))
+    if device.type == "cuda":
+        # In bf16 the contract is graphs == the eager static path; stock bf16 kernels round differently, and random
+        # weights leave near-ties that flip on such rounding.
+        model.set_cuda_graphs(False)
+        expected = model.generate(**inputs, **kwargs)
+        model.set_cuda_graphs(True)
+        reference = "the same steps run eagerly (no CUDA graphs)"
+    else:
+        expected = stock.generate(**inputs, **kwargs)
+        reference = "stock transformers generate"
     same = torch.equal(ours, expected)
-    print("same tokens as stock transformers generate:", same)
-    return 0 if same or device.type == "cuda" else 1
+    print(f"same tokens as {reference}:", same)
+    return 0 if same else 1
 
 
 def _bench(args) -> int:
