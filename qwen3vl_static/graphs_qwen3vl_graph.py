@@ -61,7 +61,6 @@ class DecodeRunner:
         self.input_ids = zeros(rows, 1)
         self.positions = zeros(3, rows, 1)
         self.cache_lens = zeros(rows)
-        self.row_ids = torch.arange(rows, device=device)  # each row writes its own cache row
         self.attendable = torch.ones(rows, slots, dtype=torch.bool, device=device)
         self.logits = zeros(rows, vocab, dtype=torch.float32)
         self.temperature = torch.ones(rows, device=device)
@@ -203,23 +202,27 @@ class DecodeRunner:
         ids, positions, cache_lens = self.input_ids[:rows], self.positions[:, :rows], self.cache_lens[:rows]
         hidden = text.embed_tokens(ids)[:, 0]
         rotary = ops.rotary(*text.rotary_emb(hidden, positions))  # shared by all layers
-        context = ops.attention_context(self.attendable[:rows], cache_lens, kv_len, hidden.dtype)
-        # Each residual add is fused with the RMSNorm that follows it (the next layer's input norm, or the final one).
+        context = ops.attention_context(self.attendable[:rows], cache_lens, kv_len, hidden.dtype, self.cache.full_keys[0].shape[1])
+        # Each projection into the residual stream comes with the add and the RMSNorm that follow it (the
+        # post-attention norm, the next layer's input norm or the final one).
         norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]
         first = text.layers[0].input_layernorm
         x = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
         layers = zip(text.layers, norms, self.cache.full_keys, self.cache.full_values, self.qkv_weights, self.gate_up_weights)
         for layer, next_norm, keys, values, qkv_weight, gate_up_weight in layers:
             attn, norm = layer.self_attn, layer.post_attention_layernorm
-            q = ops.qk_norm_rope_write(
-                ops.linear(x, qkv_weight), attn.config.num_attention_heads, attn.q_norm.weight, attn.k_norm.weight,
-                attn.q_norm.variance_epsilon, rotary, keys, values, self.row_ids[:rows], cache_lens,
+            qk_norms = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon
+            out = ops.decode_attention(
+                ops.linear(x, qkv_weight), attn.config.num_attention_heads, qk_norms, rotary, keys, values, cache_lens,
+                context, kv_len, attn.scaling,
             )
-            out = ops.decode_attention(q, keys, values, context, kv_len, attn.scaling)
-            attn_out = ops.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-            hidden, x = ops.add_rms_norm(hidden, attn_out, norm.weight, norm.variance_epsilon)
-            mlp_out = ops.linear(ops.linear_swiglu(x, gate_up_weight), layer.mlp.down_proj.weight)
-            hidden, x = ops.add_rms_norm(hidden, mlp_out, next_norm.weight, next_norm.variance_epsilon)
+            hidden, x = ops.linear_add_rms_norm(
+                out, attn.o_proj.weight, attn.o_proj.bias, hidden, norm.weight, norm.variance_epsilon
+            )
+            hidden, x = ops.linear_add_rms_norm(
+                ops.linear_swiglu(x, gate_up_weight), layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, hidden, next_norm.weight,
+                next_norm.variance_epsilon,
+            )
         logits = ops.linear(x, self.model.lm_head.weight)
         cache_lens += 1
         positions += 1

@@ -59,8 +59,9 @@ class TorchDecodeOps:
         return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
     @staticmethod
-    def attention_context(attendable, cache_lens, kv_len, dtype):
-        """What attention needs besides Q/K/V, built once per step: here an additive mask `(rows, 1, 1, kv_len)`.
+    def attention_context(attendable, cache_lens, kv_len, dtype, kv_heads):
+        """What decode attention needs besides the cache, built once per step: here an additive mask `(rows, 1, 1,
+        kv_len)` and each row's cache row (its own).
 
         A slot is read only if it is written (slot <= the row's length, the current token included) and is not
         left padding: never an unwritten or stale slot.
@@ -68,7 +69,7 @@ class TorchDecodeOps:
         slots = torch.arange(kv_len, device=cache_lens.device)
         readable = attendable[:, :kv_len] & (slots <= cache_lens[:, None])
         mask = torch.zeros(readable.shape, dtype=dtype, device=readable.device)
-        return mask.masked_fill(~readable, float("-inf"))[:, None, None, :]
+        return mask.masked_fill(~readable, float("-inf"))[:, None, None, :], torch.arange(len(cache_lens), device=cache_lens.device)
 
     @staticmethod
     def rms_norm(x, weight, eps):
@@ -80,6 +81,12 @@ class TorchDecodeOps:
         """Residual add, then RMSNorm of the sum: returns (sum, normed sum)."""
         hidden = hidden + delta
         return hidden, cls.rms_norm(hidden, weight, eps)
+
+    @classmethod
+    def linear_add_rms_norm(cls, x, weight, bias, hidden, norm_weight, eps):
+        """A projection into the residual stream, then the add and the RMSNorm that follow it: returns
+        `add_rms_norm(hidden, linear(x, weight, bias), norm_weight, eps)`."""
+        return cls.add_rms_norm(hidden, cls.linear(x, weight, bias), norm_weight, eps)
 
     @staticmethod
     def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots):
@@ -108,18 +115,22 @@ class TorchDecodeOps:
         q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
         return tuple(states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))
 
-    @staticmethod
-    def decode_attention(q, keys, values, context, kv_len, scale):
-        """One query token per row over the first `kv_len` cache slots; returns `(rows, Hq * D)`.
+    @classmethod
+    def decode_attention(cls, qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
+        """Attention of one new token per row from its fused QKV output `(rows, (Hq + 2 Hkv) * D)`: QK-norm (`qk_norms`:
+        q weight, k weight, eps) and rotary embedding, the new K/V written into the row's cache row at slot
+        `cache_lens[row]` (row r's cache row is r), then attention over the first `kv_len` slots; returns `(rows, Hq * D)`.
 
         Grouped-query attention without repeating K/V: the query heads of one KV head form its query rows.
         """
+        mask, cache_rows = context
+        q = cls.qk_norm_rope_write(qkv, heads, *qk_norms, rotary, keys, values, cache_rows, cache_lens)
         rows, kv_heads, head_dim = q.shape[0], keys.shape[1], keys.shape[-1]
         out = F.scaled_dot_product_attention(
             q.reshape(rows, kv_heads, -1, head_dim),
             keys[:rows, :, :kv_len],
             values[:rows, :, :kv_len],
-            attn_mask=context,
+            attn_mask=mask,
             scale=scale,
         )
         return out.reshape(rows, -1)
@@ -150,6 +161,14 @@ class TorchDecodeOps:
 if triton is not None:
 
     @triton.jit
+    def _store_rms_norm(x, cols, keep, weight, out, n_cols, eps):
+        """RMSNorm of one row `x` (float32 statistics, the scale applied before rounding), stored at `out`."""
+        x = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        w = tl.load(weight + cols, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out + cols, (x * rstd * w).to(out.dtype.element_ty), mask=keep)
+
+    @triton.jit
     def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -159,10 +178,7 @@ if triton is not None:
             # The sum is rounded to storage precision first, exactly as `hidden + delta` would be.
             x = (x.to(tl.float32) + tl.load(delta + row * n_cols + cols, mask=keep, other=0.0).to(tl.float32)).to(x.dtype)
             tl.store(sum_out + row * n_cols + cols, x, mask=keep)
-        x = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        w = tl.load(weight + cols, mask=keep, other=0.0).to(tl.float32)
-        tl.store(norm_out + row * n_cols + cols, (x * rstd * w).to(norm_out.dtype.element_ty), mask=keep)
+        _store_rms_norm(x, cols, keep, weight, norm_out + row * n_cols, n_cols, eps)
 
     @triton.jit
     def _add_layer_norm_kernel(hidden, delta, weight, bias, sum_out, norm_out, n_cols, eps, BLOCK: tl.constexpr):
@@ -180,16 +196,32 @@ if triton is not None:
         tl.store(norm_out + row * n_cols + cols, y.to(norm_out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _norm_rope(base, weight, cos, sin, rstd, HEAD_DIM: tl.constexpr):
-        """One head: RMSNorm scale and rotary embedding in float32, as its two halves."""
-        half = tl.arange(0, HEAD_DIM // 2)
-        x1 = tl.load(base + half).to(tl.float32) * rstd * tl.load(weight + half).to(tl.float32)
-        x2 = tl.load(base + HEAD_DIM // 2 + half).to(tl.float32) * rstd * tl.load(weight + HEAD_DIM // 2 + half).to(tl.float32)
-        c1 = tl.load(cos + half).to(tl.float32)
-        c2 = tl.load(cos + HEAD_DIM // 2 + half).to(tl.float32)
-        s1 = tl.load(sin + half).to(tl.float32)
-        s2 = tl.load(sin + HEAD_DIM // 2 + half).to(tl.float32)
-        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    def _normed_rotated(base, heads, keep, weight, cos, sin, eps, HEAD_DIM: tl.constexpr):
+        """The heads `heads` (a column of head indices, `keep` masking it) of one token at `base`: RMSNorm of each
+        head, then the rotary embedding (`rotate_half` convention), float32 throughout; `(len(heads), HEAD_DIM)`."""
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        rolled = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half(x) == sign * x.roll(HEAD_DIM / 2)
+        x = tl.load(base + heads * HEAD_DIM + dims, mask=keep, other=0.0).to(tl.float32)
+        x_rolled = tl.load(base + heads * HEAD_DIM + rolled, mask=keep, other=0.0).to(tl.float32)
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
+        x = x * rstd * tl.load(weight + dims).to(tl.float32)
+        x_rolled = x_rolled * rstd * tl.load(weight + rolled).to(tl.float32)
+        signed_sin = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0) * tl.load(sin + dims).to(tl.float32)
+        return x * tl.load(cos + dims).to(tl.float32) + x_rolled * signed_sin
+
+    @triton.jit
+    def _group_qkv(qkv, q_weight, k_weight, cos, sin, eps, row, kv_head,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """One token's query heads of one KV head `(GROUP_PAD, D)` and that head's key and value `(1, D)`, from the
+        fused QKV output: q and k normed and rotated, each rounded once to the storage dtype."""
+        base = qkv + row * (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM
+        group = tl.arange(0, GROUP_PAD)[:, None]
+        one = tl.arange(0, 1)[:, None]
+        dtype = qkv.dtype.element_ty
+        q = _normed_rotated(base, kv_head * GROUP + group, group < GROUP, q_weight, cos, sin, eps, HEAD_DIM)
+        k = _normed_rotated(base, KV_HEADS * GROUP + kv_head + one, one == 0, k_weight, cos, sin, eps, HEAD_DIM)
+        v = tl.load(base + (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+        return q.to(dtype), k.to(dtype), v
 
     @triton.jit
     def _rope_store(
@@ -230,86 +262,99 @@ if triton is not None:
     def _qk_norm_rope_write_kernel(
         qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, eps,
         stride_cache_row, stride_cache_head, stride_cache_slot,
-        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
+        """One (token, KV head) per program: its query heads to `q_out`, its key and value into the cache."""
         row = tl.program_id(0)
-        head = tl.program_id(1)  # < HEADS: a query head; else a key head (and the value head that goes with it)
-        half = tl.arange(0, HEAD_DIM // 2)
-        dims = tl.arange(0, HEAD_DIM)
-        base = qkv + row * (HEADS + 2 * KV_HEADS) * HEAD_DIM + head * HEAD_DIM
-        x = tl.load(base + dims).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-        cos_row = cos + row * HEAD_DIM
-        sin_row = sin + row * HEAD_DIM
-        if head < HEADS:
-            y1, y2 = _norm_rope(base, q_weight, cos_row, sin_row, rstd, HEAD_DIM)
-            out = q_out + (row * HEADS + head) * HEAD_DIM
-            tl.store(out + half, y1.to(q_out.dtype.element_ty))
-            tl.store(out + HEAD_DIM // 2 + half, y2.to(q_out.dtype.element_ty))
-        else:
-            y1, y2 = _norm_rope(base, k_weight, cos_row, sin_row, rstd, HEAD_DIM)
-            slot = tl.load(cache_slots + row)
-            offset = tl.load(cache_rows + row) * stride_cache_row + (head - HEADS) * stride_cache_head + slot * stride_cache_slot
-            tl.store(keys + offset + half, y1.to(keys.dtype.element_ty))
-            tl.store(keys + offset + HEAD_DIM // 2 + half, y2.to(keys.dtype.element_ty))
-            tl.store(values + offset + dims, tl.load(base + KV_HEADS * HEAD_DIM + dims))  # value head: KV_HEADS heads on
+        kv_head = tl.program_id(1)
+        q, k, v = _group_qkv(qkv, q_weight, k_weight, cos + row * HEAD_DIM, sin + row * HEAD_DIM, eps, row, kv_head,
+                             GROUP, GROUP_PAD, KV_HEADS, HEAD_DIM)
+        group = tl.arange(0, GROUP_PAD)[:, None]
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q, mask=group < GROUP)
+        slot = (tl.load(cache_rows + row) * stride_cache_row + kv_head * stride_cache_head
+                + tl.load(cache_slots + row) * stride_cache_slot + dims)
+        tl.store(keys + slot, k)
+        tl.store(values + slot, v)
 
     @triton.jit
-    def _attention_split_kernel(
-        q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+    def _decode_attention_kernel(
+        qkv, q_weight, k_weight, cos, sin, eps, keys, values, cache_lens, attendable,
+        part_out, part_max, part_sum, tickets, out, scale,
         stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
         SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_BLOCK: tl.constexpr,
     ):
-        """Flash-decoding, pass 1: one (row, KV head, chunk of slots) per program, online softmax over the chunk."""
+        """Decode attention of one new token per row, flash-decoding in one launch: a program per (row, KV head,
+        chunk of CHUNK slots). Every program norms and rotates its group's queries and the new key itself (cheap), so
+        no separate pass precedes it; the program whose chunk holds the new token's slot writes its K/V into the cache
+        and uses them from registers (no program reads that slot from memory in this step). The last program of a
+        (row, KV head) to finish merges the chunks' partial softmaxes, so no separate pass follows either."""
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
-        heads = kv_head * GROUP + group
-        q_tile = tl.load(
-            q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :], mask=group[:, None] < GROUP, other=0.0
-        )
-        length = tl.load(cache_lens + row)  # slots 0..length are written (the current token at `length`)
+        q, new_k, new_v = _group_qkv(qkv, q_weight, k_weight, cos + row * HEAD_DIM, sin + row * HEAD_DIM, eps, row,
+                                     kv_head, GROUP, GROUP_PAD, KV_HEADS, HEAD_DIM)
+        length = tl.load(cache_lens + row)  # slots before `length` are written; the new token goes to `length`
+        cache_offset = row * stride_cache_row + kv_head * stride_cache_head  # row r decodes into cache row r
+        if split == length // CHUNK:
+            tl.store(keys + cache_offset + length * stride_cache_slot + dims[None, :], new_k)
+            tl.store(values + cache_offset + length * stride_cache_slot + dims[None, :], new_v)
         best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         total = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        cache_offset = row * stride_cache_row + kv_head * stride_cache_head
         for start in range(split * CHUNK, split * CHUNK + CHUNK, BLOCK_N):
             slots = start + tl.arange(0, BLOCK_N)
-            readable = (slots <= length) & (tl.load(attendable + row * stride_attendable + slots, mask=slots <= length, other=0) != 0)
-            k = tl.load(keys + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=readable[:, None], other=0.0)
-            scores = tl.dot(q_tile, tl.trans(k)).to(tl.float32) * scale
+            stored = tl.load(attendable + row * stride_attendable + slots, mask=slots < length, other=0) != 0
+            current = (slots == length)[:, None]
+            readable = stored | (slots == length)
+            k = tl.load(keys + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=stored[:, None], other=0.0)
+            k = tl.where(current, new_k, k)
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             scores = tl.where(readable[None, :], scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=1))
             base = tl.where(new_best == float("-inf"), 0.0, new_best)  # an all-masked block must not give NaN
             weights = tl.exp(scores - base[:, None])
             correction = tl.exp(best - base)
             total = total * correction + tl.sum(weights, axis=1)
-            v = tl.load(values + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=readable[:, None], other=0.0)
+            v = tl.load(values + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=stored[:, None], other=0.0)
+            v = tl.where(current, new_v, v)
             # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
             acc = acc * correction[:, None] + tl.dot(weights, v.to(tl.float32))
             best = new_best
-        part = (row * KV_HEADS * GROUP + heads) * SPLITS + split
-        tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=group[:, None] < GROUP)
-        tl.store(part_max + part, best, mask=group < GROUP)
-        tl.store(part_sum + part, total, mask=group < GROUP)
-
-    @triton.jit
-    def _attention_combine_kernel(part_out, part_max, part_sum, out, SPLITS, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """Flash-decoding, pass 2: merge the chunks of one (row, query head)."""
-        head = tl.program_id(0)  # row * HEADS + query head
-        splits = tl.arange(0, SPLITS_PAD)
-        dims = tl.arange(0, HEAD_DIM)
-        live = splits < SPLITS
-        best = tl.load(part_max + head * SPLITS + splits, mask=live, other=float("-inf"))
-        top = tl.max(best, axis=0)
-        scale = tl.where(live, tl.exp(best - top), 0.0)
-        total = tl.sum(tl.load(part_sum + head * SPLITS + splits, mask=live, other=0.0) * scale, axis=0)
-        acc = tl.load(part_out + (head * SPLITS + splits[:, None]) * HEAD_DIM + dims[None, :], mask=live[:, None], other=0.0)
-        result = tl.sum(acc * scale[:, None], axis=0) / total
-        tl.store(out + head * HEAD_DIM + dims, result.to(out.dtype.element_ty))
+        pair = row * KV_HEADS + kv_head
+        part = (pair * SPLITS + split) * GROUP + group
+        live = group < GROUP
+        tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
+        tl.store(part_max + part, best, mask=live)
+        tl.store(part_sum + part, total, mask=live)
+        # The last of the pair's programs merges. The barrier puts all of this program's stores before the ticket's
+        # release; the ticket's acquire puts every other program's stores before the merge's reads (which bypass L1).
+        tl.debug_barrier()
+        if tl.atomic_add(tickets + pair, 1, sem="acq_rel") == SPLITS - 1:
+            for head in tl.static_range(GROUP):
+                top = tl.full((), float("-inf"), tl.float32)
+                merged_sum = tl.zeros((), tl.float32)
+                merged = tl.zeros((HEAD_DIM,), tl.float32)
+                for first in range(0, SPLITS, MERGE_BLOCK):
+                    chunk = first + tl.arange(0, MERGE_BLOCK)
+                    index = (pair * SPLITS + chunk) * GROUP + head
+                    got = chunk < SPLITS
+                    chunk_max = tl.load(part_max + index, mask=got, other=float("-inf"), cache_modifier=".cg")
+                    new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
+                    base = tl.where(new_top == float("-inf"), 0.0, new_top)
+                    weights = tl.where(got, tl.exp(chunk_max - base), 0.0)
+                    correction = tl.exp(top - base)
+                    chunk_sum = tl.load(part_sum + index, mask=got, other=0.0, cache_modifier=".cg")
+                    merged_sum = merged_sum * correction + tl.sum(chunk_sum * weights, axis=0)
+                    chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0,
+                                        cache_modifier=".cg")
+                    merged = merged * correction + tl.sum(chunk_out * weights[:, None], axis=0)
+                    top = new_top
+                tl.store(out + (pair * GROUP + head) * HEAD_DIM + dims, (merged / merged_sum).to(out.dtype.element_ty))
+            tl.store(tickets + pair, 0)  # ready for the next layer's launch
 
     @triton.jit
     def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr):
@@ -320,17 +365,23 @@ if triton is not None:
         up = tl.load(gate_up + row * 2 * n_cols + n_cols + cols, mask=keep, other=0.0).to(tl.float32)
         tl.store(out + row * n_cols + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out.dtype.element_ty), mask=keep)
 
-    @triton.jit(do_not_specialize=["rows"])  # one compiled variant for every row count (Triton would single out 1)
+    @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
         x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
+        hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
+        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr,
     ):
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range). Each weight tile is read
         once, coalesced along K, and serves every row: the rows are the narrow side of a `tl.dot` (padded to ROWS,
         tl.dot's minimum). `out` is y itself, or this K range's float32 partial `(splits, rows, n_cols)`.
 
         SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program also computes the up columns that
-        go with its gate columns and stores silu(gate) * up, rounded as the separate ops round (one K range)."""
+        go with its gate columns and stores silu(gate) * up, rounded as the separate ops round (one K range).
+
+        ADD_RMS_NORM: `out` takes the float32 partials and the last program to finish (a ticket counts them) sums
+        them, rounds y, adds it to `hidden` (the residual stream) and stores the sum and its RMSNorm, rounded as the
+        separate ops round: the residual add and the norm after a projection cost no launch of their own."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
@@ -351,6 +402,24 @@ if triton is not None:
             gate = acc.to(out.dtype.element_ty).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up_acc.to(out.dtype.element_ty).to(tl.float32)
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
+        if ADD_RMS_NORM:
+            # The barrier puts all of this program's stores before the ticket's release; the ticket's acquire puts
+            # every other program's stores before the last program's reads (which bypass L1).
+            tl.debug_barrier()
+            if tl.atomic_add(ticket, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
+                row_cols = tl.arange(0, BLOCK_ROW)
+                row_keep = row_cols < n_cols
+                for row in range(rows):
+                    y = tl.zeros((BLOCK_ROW,), tl.float32)
+                    for part in range(splits):
+                        y += tl.load(out + (part * rows + row) * n_cols + row_cols, mask=row_keep, other=0.0,
+                                     cache_modifier=".cg")
+                    h = tl.load(hidden + row * n_cols + row_cols, mask=row_keep, other=0.0)
+                    # y rounded as the projection's output, the sum as `hidden + y`.
+                    h = (h.to(tl.float32) + y.to(h.dtype).to(tl.float32)).to(h.dtype)
+                    tl.store(sum_out + row * n_cols + row_cols, h, mask=row_keep)
+                    _store_rms_norm(h, row_cols, row_keep, norm_weight, norm_out + row * n_cols, n_cols, eps)
+                tl.store(ticket, 0)  # ready for the next launch
 
     @triton.jit
     def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr):
@@ -372,6 +441,7 @@ class TritonDecodeOps(TorchDecodeOps):
     SPIN_CYCLES = 200_000  # GPU cycles (~0.1 ms) of busy wait before each timed call: longer than the host's launch
     choices = {}  # (op, rows, N, K, dtype, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
+    tickets = {}  # device -> the counter `ticket` returns
 
     @classmethod
     def linear(cls, x, weight, bias=None):
@@ -390,6 +460,20 @@ class TritonDecodeOps(TorchDecodeOps):
             return separate()
         fused = lambda: cls.skinny_matmul(x, gate_up_weight, swiglu=True)  # noqa: E731
         return cls.measured("linear_swiglu", x, gate_up_weight, (separate, fused))
+
+    @classmethod
+    def linear_add_rms_norm(cls, x, weight, bias, hidden, norm_weight, eps):
+        """The projection then the add-and-norm kernel, or one skinny matmul whose last program adds and norms (at the
+        rule's split of K, or half of it): whichever measured fastest."""
+        separate = lambda: super(TritonDecodeOps, cls).linear_add_rms_norm(x, weight, bias, hidden, norm_weight, eps)  # noqa: E731
+        if bias is not None or not cls.skinny(x, weight):
+            return separate()
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        rule = cls.skinny_config(*weight.shape, sms)
+        configs = dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))])
+        fused = [lambda config=config: cls.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps))
+                 for config in configs]
+        return cls.measured("linear_add_rms_norm", x, weight, (separate, *fused))
 
     @classmethod
     def skinny(cls, x, weight) -> bool:
@@ -465,10 +549,11 @@ class TritonDecodeOps(TorchDecodeOps):
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
     @classmethod
-    def skinny_matmul(cls, x, weight, config=None, swiglu=False):
+    def skinny_matmul(cls, x, weight, config=None, swiglu=False, add_rms_norm=None):
         """`x @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
         unit-stride along K; `config` (a SkinnyConfig) overrides the rule. `swiglu`: `weight` is a fused gate/up
-        matrix and the result is SwiGLU of the product, `(M, N / 2)`."""
+        matrix and the result is SwiGLU of the product, `(M, N / 2)`. `add_rms_norm`: (hidden, norm weight, eps);
+        returns `add_rms_norm(hidden, x @ weight.T, ...)` instead, from the same launch."""
         rows, k = x.shape
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if config is None:
@@ -479,24 +564,41 @@ class TritonDecodeOps(TorchDecodeOps):
         if swiglu and splits > 1:
             raise ValueError("the SwiGLU epilogue needs whole sums: split_k must be 1")
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        parts = out if splits == 1 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+        fused_norm = add_rms_norm is not None
+        parts = out if splits == 1 and not fused_norm else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+        hidden, norm_weight, eps = add_rms_norm if fused_norm else (out, out, 0.0)
+        sums = torch.empty_like(hidden) if fused_norm else out
+        ticket = cls.ticket(x.device) if fused_norm else out
         _skinny_matmul_kernel[(triton.cdiv(n, config.block_n), splits)](
             x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
+            hidden, norm_weight, sums, out, eps, ticket, splits,
             ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
+        if fused_norm:
+            return sums, out
         if splits > 1:
             block = 1024
             _sum_splits_kernel[(triton.cdiv(rows * n, block),)](parts, out, rows * n, splits, BLOCK=block)
         return out
+
+    @classmethod
+    def ticket(cls, device) -> torch.Tensor:
+        """The device's counter of finished programs for kernels whose last program finishes the job. Launches on one
+        stream run in order and each leaves it at zero; created outside graph capture by the first (measuring) run."""
+        if device not in cls.tickets:
+            cls.tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return cls.tickets[device]
 
     @staticmethod
     def rotary(cos, sin):
         return cos.reshape(cos.shape[0], -1).contiguous(), sin.reshape(sin.shape[0], -1).contiguous()
 
     @staticmethod
-    def attention_context(attendable, cache_lens, kv_len, dtype):
-        return attendable, cache_lens
+    def attention_context(attendable, cache_lens, kv_len, dtype, kv_heads):
+        # Per (row, KV head): how many of its programs have finished (each launch leaves them at zero again).
+        return attendable, torch.zeros(len(cache_lens) * kv_heads, dtype=torch.int32, device=cache_lens.device)
 
     @staticmethod
     def rms_norm(x, weight, eps):
@@ -517,10 +619,11 @@ class TritonDecodeOps(TorchDecodeOps):
         rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
         q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         cos, sin = rotary
-        _qk_norm_rope_write_kernel[(rows, heads + kv_heads)](
+        group = heads // kv_heads
+        _qk_norm_rope_write_kernel[(rows, kv_heads)](
             qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, eps,
             keys.stride(0), keys.stride(1), keys.stride(2),
-            HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
         return q
 
@@ -535,24 +638,23 @@ class TritonDecodeOps(TorchDecodeOps):
         return tuple(states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))
 
     @classmethod
-    def decode_attention(cls, q, keys, values, context, kv_len, scale):
-        attendable, cache_lens = context
-        rows, heads, head_dim = q.shape
-        kv_heads = keys.shape[1]
+    def decode_attention(cls, qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
+        attendable, tickets = context
+        q_weight, k_weight, eps = qk_norms
+        cos, sin = rotary
+        rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
         group = heads // kv_heads
         splits = triton.cdiv(kv_len, cls.CHUNK)
-        part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=q.device)
+        part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
+        part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=qkv.device)
         part_sum = torch.empty_like(part_max)
-        _attention_split_kernel[(rows, kv_heads, splits)](
-            q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+        out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+        _decode_attention_kernel[(rows, kv_heads, splits)](
+            qkv, q_weight, k_weight, cos, sin, eps, keys, values, cache_lens, attendable,
+            part_out, part_max, part_sum, tickets, out, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_N=cls.BLOCK_N,
-        )
-        out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
-        _attention_combine_kernel[(rows * heads,)](
-            part_out, part_max, part_sum, out, splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_N=cls.BLOCK_N, MERGE_BLOCK=32,
         )
         return out
 

@@ -54,9 +54,9 @@ def test_rms_norm_and_add_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cache_rows", [[0, 1, 2], [2, 0, 2]], ids=["decode", "prefill-like"])
-def test_qk_norm_rope_write_touches_only_each_rows_slot(dtype, cache_rows):
-    """Decoding writes one token per cache row; prefill writes several tokens of one row (any row -> slot map)."""
+@pytest.mark.parametrize("cache_rows", [[0, 1, 2], [2, 0, 2]], ids=["one-per-row", "several-per-row"])
+def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows):
+    """Prefill writes the prompt's tokens into the cache, several tokens to a row (any token -> (row, slot) map)."""
     rows, heads, kv_heads, dim, slots = 3, 4, 2, 32, 40
     qkv = randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
     q_weight, k_weight = randn(dim, dtype=dtype), randn(dim, dtype=dtype)
@@ -67,7 +67,8 @@ def test_qk_norm_rope_write_touches_only_each_rows_slot(dtype, cache_rows):
         keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
         values = torch.full_like(keys, float("nan"))
         rotary = ops.rotary(cos, sin)
-        q = ops.qk_norm_rope_write(qkv, heads, q_weight, k_weight, 1e-6, rotary, keys, values, cache_rows, cache_slots)
+        with poisoned_empty():
+            q = ops.qk_norm_rope_write(qkv, heads, q_weight, k_weight, 1e-6, rotary, keys, values, cache_rows, cache_slots)
         results.append((q, keys, values))
     (q_ref, k_ref, v_ref), (q, k, v) = results
     torch.testing.assert_close(q, q_ref, **TOLERANCE[dtype])
@@ -79,6 +80,46 @@ def test_qk_norm_rope_write_touches_only_each_rows_slot(dtype, cache_rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_len", [64, 160])
+def test_decode_attention_writes_the_new_token_and_reads_only_written_unpadded_slots(dtype, kv_len):
+    """The fused decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge in one launch) against
+    the reference ops. Every slot it must not read (unwritten, including the new token's own slot, and left padding)
+    holds NaN, so reading one poisons the output; only each row's new slot may change."""
+    rows, heads, kv_heads, dim, capacity = 3, 4, 2, 32, 160
+    qkv = randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
+    cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
+    cache_lens = torch.tensor([0, 30, kv_len - 1], device=DEVICE)
+    attendable = torch.ones(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
+    attendable[1, :9] = False  # left padding of row 1
+    attendable[2, :kv_len // 2] = False
+    slots = torch.arange(capacity, device=DEVICE)
+    lens = torch.cat([cache_lens, cache_lens[:1]])[:, None]
+    unreadable = (slots >= lens) | ~attendable
+    keys, values = randn(rows + 1, kv_heads, capacity, dim, dtype=dtype), randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)
+    poisoned = keys.clone(), values.clone()
+    for cache in poisoned:
+        cache.transpose(1, 2)[unreadable] = float("nan")
+    results = []
+    # The reference masks with -inf scores, and 0 * NaN is NaN: it gets the random values where the kernel gets NaN.
+    for ops, cache in ((Torch, (keys, values)), (Triton, poisoned)):
+        cache = tuple(tensor.clone() for tensor in cache)
+        context = ops.attention_context(attendable[:rows], cache_lens, kv_len, dtype, kv_heads)
+        with poisoned_empty():  # the partial results and the output
+            out = ops.decode_attention(qkv, heads, qk_norms, ops.rotary(cos, sin), *cache, cache_lens, context, kv_len, dim**-0.5)
+        results.append((out, *cache))
+    (out_ref, k_ref, v_ref), (out, k, v) = results
+    torch.testing.assert_close(out, out_ref, **TOLERANCE[dtype])
+    new = torch.zeros(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
+    new[torch.arange(rows, device=DEVICE), cache_lens] = True
+    for got, expected, before in zip((k, v), (k_ref, v_ref), poisoned):
+        torch.testing.assert_close(got.transpose(1, 2)[new], expected.transpose(1, 2)[new], **TOLERANCE[dtype])
+        torch.testing.assert_close(got.transpose(1, 2)[~new], before.transpose(1, 2)[~new], rtol=0, atol=0, equal_nan=True)
+    # The programs' tickets are back at zero, ready for the next layer's launch.
+    assert not context[1].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_vision_qkv_rope_matches_the_stock_rotary(dtype):
     length, heads, dim = 37, 3, 16
     qkv = randn(length, 3 * heads * dim, dtype=dtype)
@@ -87,28 +128,6 @@ def test_vision_qkv_rope_matches_the_stock_rotary(dtype):
     for tensor, reference in zip(got, expected, strict=True):
         assert tensor.shape == reference.shape == (1, heads, length, dim)
         torch.testing.assert_close(tensor, reference, **TOLERANCE[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kv_len", [64, 160])
-def test_decode_attention_reads_only_written_unpadded_slots(dtype, kv_len):
-    rows, heads, kv_heads, dim, capacity = 3, 4, 2, 32, 160
-    q = randn(rows, heads, dim, dtype=dtype)
-    keys, values = randn(rows + 1, kv_heads, capacity, dim, dtype=dtype), randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)
-    cache_lens = torch.tensor([0, 30, kv_len - 1], device=DEVICE)
-    attendable = torch.ones(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
-    attendable[1, :9] = False  # left padding of row 1
-    attendable[2, :kv_len // 2] = False
-    reference = Torch.decode_attention(q, keys, values, Torch.attention_context(attendable[:rows], cache_lens, kv_len, dtype),
-                                       kv_len, dim**-0.5)
-    # Poison every slot that must not be read: unwritten (beyond each row's length) and left padding.
-    slots = torch.arange(capacity, device=DEVICE)
-    unreadable = (slots > torch.cat([cache_lens, cache_lens[:1]])[:, None]) | ~attendable
-    keys[unreadable[:, None, :].expand_as(keys[..., 0])] = float("nan")
-    values[unreadable[:, None, :].expand_as(values[..., 0])] = float("nan")
-    out = Triton.decode_attention(q, keys, values, Triton.attention_context(attendable[:rows], cache_lens, kv_len, dtype),
-                                  kv_len, dim**-0.5)
-    torch.testing.assert_close(out, reference, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -153,6 +172,25 @@ def test_linear_swiglu_fused_and_chosen(dtype, rows):
     assert_matmul_close(Triton.linear_swiglu(x, gate_up_weight), (x, gate_up_weight), Torch.linear_swiglu)  # either form
     with pytest.raises(ValueError, match="whole sums"):
         Triton.skinny_matmul(x, gate_up_weight, config._replace(split_k=2), swiglu=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
+def test_linear_add_rms_norm_fused_and_chosen(dtype, rows, split_k):
+    """The residual add and RMSNorm done by the skinny matmul's last program equal the matmul then the add-and-norm
+    kernel; the ticket is back at zero afterwards."""
+    x, weight = randn(rows, 200, dtype=dtype), randn(100, 200, dtype=dtype)
+    hidden, norm_weight = randn(rows, 100, dtype=dtype), randn(100, dtype=dtype)
+    config = kernels.SkinnyConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
+    with poisoned_empty():  # the partials, the sum and the normed output
+        total, normed = Triton.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, 1e-6))
+    assert_matmul_close(total, (x, weight, hidden), lambda x, weight, hidden: hidden + x @ weight.T)
+    torch.testing.assert_close(normed, Torch.rms_norm(total, norm_weight, 1e-6), **TOLERANCE[dtype])
+    assert not Triton.ticket(x.device).any()
+    either = Triton.linear_add_rms_norm(x, weight, None, hidden, norm_weight, 1e-6)  # whichever form measured faster
+    for got, expected in zip(either, Torch.linear_add_rms_norm(x, weight, None, hidden, norm_weight, 1e-6)):
+        torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
