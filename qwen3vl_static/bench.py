@@ -309,10 +309,9 @@ def run(args) -> dict:
         "graphs_captured": {"decode": len(ours._runner.graphs), "prefill": len(ours._prefill_runner.graphs),
                             "vision": len(ours.model.visual.runner.graphs)},
         "decode_ops": ours._runner.ops.__name__,
-        # Which form each decode op took (0: cuBLAS / separate kernels, 1: the fused Triton kernel), and the timings.
-        "measured_choices": {f"{op} {rows}x{k}->{n}": {"choice": ours._runner.ops.choices[key], "us": us}
-                             for key, us in getattr(ours._runner.ops, "timings", {}).items()
-                             for op, rows, n, k in [key[:4]]},
+        # Which form each decode op took (0: cuBLAS / separate kernels, then the fused candidates), and the timings.
+        "measured_choices": {f"{op} {shape}": {"choice": ours._runner.ops.choices[key], "us": us}
+                             for key, us in getattr(ours._runner.ops, "timings", {}).items() for op, shape, _ in [key]},
         "kv_cache_gb": cache_gb,
         "static_buffers_gb": buffers_gb,
         "graph_pool_reserved_gb_after_warmup": graph_pool_gb,

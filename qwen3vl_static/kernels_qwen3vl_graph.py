@@ -278,40 +278,83 @@ if triton is not None:
         tl.store(values + slot, v)
 
     @triton.jit
+    def _merge_chunks(part_out, part_max, part_sum, out, pair, head, SPLITS,
+                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_BLOCK: tl.constexpr):
+        """Flash-decoding's merge: the chunks' partial softmaxes of query head `head` of (row, KV head) `pair`."""
+        dims = tl.arange(0, HEAD_DIM)
+        top = tl.full((), float("-inf"), tl.float32)
+        total = tl.zeros((), tl.float32)
+        merged = tl.zeros((HEAD_DIM,), tl.float32)
+        for first in range(0, SPLITS, MERGE_BLOCK):
+            chunk = first + tl.arange(0, MERGE_BLOCK)
+            index = (pair * SPLITS + chunk) * GROUP + head
+            got = chunk < SPLITS
+            # .cg: read from L2, where other programs of this launch may just have written (L1 is not coherent).
+            chunk_max = tl.load(part_max + index, mask=got, other=float("-inf"), cache_modifier=".cg")
+            new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
+            base = tl.where(new_top == float("-inf"), 0.0, new_top)
+            weights = tl.where(got, tl.exp(chunk_max - base), 0.0)
+            correction = tl.exp(top - base)
+            chunk_sum = tl.load(part_sum + index, mask=got, other=0.0, cache_modifier=".cg")
+            total = total * correction + tl.sum(chunk_sum * weights, axis=0)
+            chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0,
+                                cache_modifier=".cg")
+            merged = merged * correction + tl.sum(chunk_out * weights[:, None], axis=0)
+            top = new_top
+        tl.store(out + (pair * GROUP + head) * HEAD_DIM + dims, (merged / total).to(out.dtype.element_ty))
+
+    @triton.jit
     def _decode_attention_kernel(
         qkv, q_weight, k_weight, cos, sin, eps, keys, values, cache_lens, attendable,
         part_out, part_max, part_sum, tickets, out, scale,
         stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
         SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_BLOCK: tl.constexpr,
+        FUSED_QKV: tl.constexpr, MERGE: tl.constexpr,
     ):
-        """Decode attention of one new token per row, flash-decoding in one launch: a program per (row, KV head,
-        chunk of CHUNK slots). Every program norms and rotates its group's queries and the new key itself (cheap), so
-        no separate pass precedes it; the program whose chunk holds the new token's slot writes its K/V into the cache
-        and uses them from registers (no program reads that slot from memory in this step). The last program of a
-        (row, KV head) to finish merges the chunks' partial softmaxes, so no separate pass follows either."""
+        """Decode attention of one new token per row, flash-decoding: a program per (row, KV head, chunk of CHUNK
+        slots) keeps an online softmax over its chunk (row r's cache is cache row r).
+
+        FUSED_QKV: `qkv` is the fused QKV output and every program norms and rotates its group's queries and the new
+        key itself (cheap), so no separate pass precedes this one; the program whose chunk holds the new token's
+        slot writes its K/V into the cache, and uses them from registers (no program reads that slot from memory
+        in this launch). Else `qkv` holds the queries `(rows, Hq, D)` and the new K/V are already in the cache.
+        MERGE: the last program of a (row, KV head) to finish (a ticket counts them) merges the chunks, so no
+        separate pass follows; else `_merge_kernel` does."""
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
-        q, new_k, new_v = _group_qkv(qkv, q_weight, k_weight, cos + row * HEAD_DIM, sin + row * HEAD_DIM, eps, row,
-                                     kv_head, GROUP, GROUP_PAD, KV_HEADS, HEAD_DIM)
-        length = tl.load(cache_lens + row)  # slots before `length` are written; the new token goes to `length`
-        cache_offset = row * stride_cache_row + kv_head * stride_cache_head  # row r decodes into cache row r
-        if split == length // CHUNK:
-            tl.store(keys + cache_offset + length * stride_cache_slot + dims[None, :], new_k)
-            tl.store(values + cache_offset + length * stride_cache_slot + dims[None, :], new_v)
+        length = tl.load(cache_lens + row)  # slots before `length` hold the context; the new token is at `length`
+        cache_offset = row * stride_cache_row + kv_head * stride_cache_head
+        if FUSED_QKV:
+            q, new_k, new_v = _group_qkv(qkv, q_weight, k_weight, cos + row * HEAD_DIM, sin + row * HEAD_DIM, eps, row,
+                                         kv_head, GROUP, GROUP_PAD, KV_HEADS, HEAD_DIM)
+            if split == length // CHUNK:
+                tl.store(keys + cache_offset + length * stride_cache_slot + dims[None, :], new_k)
+                tl.store(values + cache_offset + length * stride_cache_slot + dims[None, :], new_v)
+            in_memory = length  # slots read from the cache: before `length`
+        else:
+            heads = kv_head * GROUP + group
+            q = tl.load(qkv + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
+                        mask=group[:, None] < GROUP, other=0.0)
+            in_memory = length + 1
         best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         total = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
         for start in range(split * CHUNK, split * CHUNK + CHUNK, BLOCK_N):
             slots = start + tl.arange(0, BLOCK_N)
-            stored = tl.load(attendable + row * stride_attendable + slots, mask=slots < length, other=0) != 0
-            current = (slots == length)[:, None]
-            readable = stored | (slots == length)
+            # Never an unwritten slot (beyond the new token) nor left padding.
+            stored = tl.load(attendable + row * stride_attendable + slots, mask=slots < in_memory, other=0) != 0
             k = tl.load(keys + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=stored[:, None], other=0.0)
-            k = tl.where(current, new_k, k)
+            v = tl.load(values + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=stored[:, None], other=0.0)
+            readable = stored
+            if FUSED_QKV:
+                current = (slots == length)[:, None]
+                k = tl.where(current, new_k, k)
+                v = tl.where(current, new_v, v)
+                readable = stored | (slots == length)
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             scores = tl.where(readable[None, :], scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=1))
@@ -319,8 +362,6 @@ if triton is not None:
             weights = tl.exp(scores - base[:, None])
             correction = tl.exp(best - base)
             total = total * correction + tl.sum(weights, axis=1)
-            v = tl.load(values + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=stored[:, None], other=0.0)
-            v = tl.where(current, new_v, v)
             # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
             acc = acc * correction[:, None] + tl.dot(weights, v.to(tl.float32))
             best = new_best
@@ -330,31 +371,21 @@ if triton is not None:
         tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
         tl.store(part_max + part, best, mask=live)
         tl.store(part_sum + part, total, mask=live)
-        # The last of the pair's programs merges. The barrier puts all of this program's stores before the ticket's
-        # release; the ticket's acquire puts every other program's stores before the merge's reads (which bypass L1).
-        tl.debug_barrier()
-        if tl.atomic_add(tickets + pair, 1, sem="acq_rel") == SPLITS - 1:
-            for head in tl.static_range(GROUP):
-                top = tl.full((), float("-inf"), tl.float32)
-                merged_sum = tl.zeros((), tl.float32)
-                merged = tl.zeros((HEAD_DIM,), tl.float32)
-                for first in range(0, SPLITS, MERGE_BLOCK):
-                    chunk = first + tl.arange(0, MERGE_BLOCK)
-                    index = (pair * SPLITS + chunk) * GROUP + head
-                    got = chunk < SPLITS
-                    chunk_max = tl.load(part_max + index, mask=got, other=float("-inf"), cache_modifier=".cg")
-                    new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
-                    base = tl.where(new_top == float("-inf"), 0.0, new_top)
-                    weights = tl.where(got, tl.exp(chunk_max - base), 0.0)
-                    correction = tl.exp(top - base)
-                    chunk_sum = tl.load(part_sum + index, mask=got, other=0.0, cache_modifier=".cg")
-                    merged_sum = merged_sum * correction + tl.sum(chunk_sum * weights, axis=0)
-                    chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0,
-                                        cache_modifier=".cg")
-                    merged = merged * correction + tl.sum(chunk_out * weights[:, None], axis=0)
-                    top = new_top
-                tl.store(out + (pair * GROUP + head) * HEAD_DIM + dims, (merged / merged_sum).to(out.dtype.element_ty))
-            tl.store(tickets + pair, 0)  # ready for the next layer's launch
+        if MERGE:
+            # The barrier puts all of this program's stores before the ticket's release; the ticket's acquire puts
+            # every other program's stores before the merge's reads.
+            tl.debug_barrier()
+            if tl.atomic_add(tickets + pair, 1, sem="acq_rel") == SPLITS - 1:
+                for head in tl.static_range(GROUP):
+                    _merge_chunks(part_out, part_max, part_sum, out, pair, head, SPLITS, GROUP, HEAD_DIM, MERGE_BLOCK)
+                tl.store(tickets + pair, 0)  # ready for the next layer's launch
+
+    @triton.jit
+    def _merge_kernel(part_out, part_max, part_sum, out, SPLITS, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      MERGE_BLOCK: tl.constexpr):
+        """Flash-decoding's second pass, where the first does not merge: one program per (row, query head)."""
+        _merge_chunks(part_out, part_max, part_sum, out, tl.program_id(0) // GROUP, tl.program_id(0) % GROUP, SPLITS,
+                      GROUP, HEAD_DIM, MERGE_BLOCK)
 
     @triton.jit
     def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr):
@@ -436,6 +467,7 @@ class TritonDecodeOps(TorchDecodeOps):
     """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output."""
 
     CHUNK = 64  # KV slots per flash-decoding program
+    MERGE_BLOCK = 32  # chunks merged per step of flash-decoding's merge
     BLOCK_N = 32
     SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
     SPIN_CYCLES = 200_000  # GPU cycles (~0.1 ms) of busy wait before each timed call: longer than the host's launch
@@ -449,7 +481,8 @@ class TritonDecodeOps(TorchDecodeOps):
         A bias (no Qwen3-VL checkpoint has one) keeps cuBLAS, which adds it."""
         if bias is not None or not cls.skinny(x, weight):
             return F.linear(x, weight, bias)
-        return cls.measured("linear", x, weight, (lambda: F.linear(x, weight), lambda: cls.skinny_matmul(x, weight)))
+        candidates = (lambda: F.linear(x, weight), lambda: cls.skinny_matmul(x, weight))
+        return cls.measured("linear", cls.matmul_shape(x, weight), x.device, candidates)
 
     @classmethod
     def linear_swiglu(cls, x, gate_up_weight):
@@ -459,7 +492,7 @@ class TritonDecodeOps(TorchDecodeOps):
         if not cls.skinny(x, gate_up_weight):
             return separate()
         fused = lambda: cls.skinny_matmul(x, gate_up_weight, swiglu=True)  # noqa: E731
-        return cls.measured("linear_swiglu", x, gate_up_weight, (separate, fused))
+        return cls.measured("linear_swiglu", cls.matmul_shape(x, gate_up_weight), x.device, (separate, fused))
 
     @classmethod
     def linear_add_rms_norm(cls, x, weight, bias, hidden, norm_weight, eps):
@@ -473,7 +506,7 @@ class TritonDecodeOps(TorchDecodeOps):
         configs = dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))])
         fused = [lambda config=config: cls.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps))
                  for config in configs]
-        return cls.measured("linear_add_rms_norm", x, weight, (separate, *fused))
+        return cls.measured("linear_add_rms_norm", cls.matmul_shape(x, weight), x.device, (separate, *fused))
 
     @classmethod
     def skinny(cls, x, weight) -> bool:
@@ -481,30 +514,32 @@ class TritonDecodeOps(TorchDecodeOps):
         return x.dim() == 2 and x.shape[0] <= cls.SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
 
     @classmethod
-    def measured(cls, op, x, weight, candidates):
+    def measured(cls, op, shape, device, candidates):
         """Run whichever of `candidates` (calls of no arguments, the first the cuBLAS / unfused one) measured fastest
-        for this op on these shapes on this device.
+        for `op` on operands described by `shape` (a string: rows, sizes, dtype) on this device.
 
         Each shape is measured once, on first use: in the runner that is a warm-up step, which the graph capturer
         runs twice on a side stream before capturing. Timing needs a sync, which capture forbids, so a shape first
         met during capture runs the first candidate in that graph and is measured the next time it runs outside
-        capture. Off CUDA (the interpreter tests) the last (fused Triton) candidate always runs, so the CPU tests
+        capture. Off CUDA (the interpreter tests) the last (most fused) candidate always runs, so the CPU tests
         take it through the whole decode loop.
         """
-        if not x.is_cuda:
+        if device.type != "cuda":
             return candidates[-1]()
-        key = (op, x.shape[0], *weight.shape, x.dtype, x.device)
+        key = (op, shape, device)
         choice = cls.choices.get(key)
         if choice is None:
             if torch.cuda.is_current_stream_capturing():
                 return candidates[0]()
             times = cls.timings[key] = cls.time_calls(candidates)
             choice = cls.choices[key] = times.index(min(times))
-            logger.info(
-                f"{op} of {x.shape[0]} rows x {weight.shape[1]} -> {weight.shape[0]} ({x.dtype}): "
-                + ", ".join(f"candidate {index} {us:.1f} us" for index, us in enumerate(times)) + f"; using {choice}"
-            )
+            logger.info(f"{op} {shape}: " + ", ".join(f"candidate {index} {us:.1f} us" for index, us in enumerate(times))
+                        + f"; using {choice}")
         return candidates[choice]()
+
+    @staticmethod
+    def matmul_shape(x, weight) -> str:
+        return f"{x.shape[0]}x{weight.shape[1]}->{weight.shape[0]} {str(x.dtype).removeprefix('torch.')}"
 
     @classmethod
     def time_calls(cls, candidates, reps=20) -> list:
@@ -597,8 +632,10 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @staticmethod
     def attention_context(attendable, cache_lens, kv_len, dtype, kv_heads):
-        # Per (row, KV head): how many of its programs have finished (each launch leaves them at zero again).
-        return attendable, torch.zeros(len(cache_lens) * kv_heads, dtype=torch.int32, device=cache_lens.device)
+        # Per (row, KV head): how many of its programs have finished (each launch leaves them at zero again); and
+        # each row's cache row (its own), for the separate KV write.
+        rows, device = len(cache_lens), cache_lens.device
+        return attendable, torch.zeros(rows * kv_heads, dtype=torch.int32, device=device), torch.arange(rows, device=device)
 
     @staticmethod
     def rms_norm(x, weight, eps):
@@ -639,11 +676,30 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def decode_attention(cls, qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
-        attendable, tickets = context
+        """Flash-decoding in one, two or three launches (QK-norm/RoPE/KV write fused in or not, the merge fused in or
+        not): whichever measured fastest for these sizes."""
+        rows, head_dim = qkv.shape[0], keys.shape[-1]
+        shape = (f"{rows} rows x {kv_len} slots, {heads} / {keys.shape[1]} heads x {head_dim} "
+                 f"{str(qkv.dtype).removeprefix('torch.')}")
+        candidates = [
+            lambda fused_qkv=fused_qkv, merge=merge: cls.flash_decoding(
+                qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale, fused_qkv, merge)
+            for fused_qkv, merge in ((False, False), (True, False), (True, True))
+        ]
+        return cls.measured("decode_attention", shape, qkv.device, candidates)
+
+    @classmethod
+    def flash_decoding(cls, qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale, fused_qkv,
+                       merge):
+        """`decode_attention` with QK-norm/RoPE/KV write in the attention launch or before it (`fused_qkv`), and the
+        chunks merged by the attention launch's last programs or by a launch of its own (`merge`)."""
+        attendable, tickets, cache_rows = context
         q_weight, k_weight, eps = qk_norms
         cos, sin = rotary
         rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
         group = heads // kv_heads
+        if not fused_qkv:
+            qkv = cls.qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_lens)
         splits = triton.cdiv(kv_len, cls.CHUNK)
         part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
         part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=qkv.device)
@@ -654,8 +710,12 @@ class TritonDecodeOps(TorchDecodeOps):
             part_out, part_max, part_sum, tickets, out, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_N=cls.BLOCK_N, MERGE_BLOCK=32,
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_N=cls.BLOCK_N, MERGE_BLOCK=cls.MERGE_BLOCK,
+            FUSED_QKV=fused_qkv, MERGE=merge,
         )
+        if not merge:
+            _merge_kernel[(rows * heads,)](part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=head_dim,
+                                           MERGE_BLOCK=cls.MERGE_BLOCK)
         return out
 
     @staticmethod

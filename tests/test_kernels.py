@@ -81,8 +81,10 @@ def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_len", [64, 160])
-def test_decode_attention_writes_the_new_token_and_reads_only_written_unpadded_slots(dtype, kv_len):
-    """The fused decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge in one launch) against
+@pytest.mark.parametrize("fused_qkv, merge", [(False, False), (True, False), (True, True)],
+                         ids=["three-launches", "qkv-fused", "one-launch"])
+def test_decode_attention_writes_the_new_token_and_reads_only_written_unpadded_slots(dtype, kv_len, fused_qkv, merge):
+    """Decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge, in one to three launches) against
     the reference ops. Every slot it must not read (unwritten, including the new token's own slot, and left padding)
     holds NaN, so reading one poisons the output; only each row's new slot may change."""
     rows, heads, kv_heads, dim, capacity = 3, 4, 2, 32, 160
@@ -106,7 +108,8 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_unpadded_s
         cache = tuple(tensor.clone() for tensor in cache)
         context = ops.attention_context(attendable[:rows], cache_lens, kv_len, dtype, kv_heads)
         with poisoned_empty():  # the partial results and the output
-            out = ops.decode_attention(qkv, heads, qk_norms, ops.rotary(cos, sin), *cache, cache_lens, context, kv_len, dim**-0.5)
+            args = qkv, heads, qk_norms, ops.rotary(cos, sin), *cache, cache_lens, context, kv_len, dim**-0.5
+            out = ops.decode_attention(*args) if ops is Torch else ops.flash_decoding(*args, fused_qkv, merge)
         results.append((out, *cache))
     (out_ref, k_ref, v_ref), (out, k, v) = results
     torch.testing.assert_close(out, out_ref, **TOLERANCE[dtype])
@@ -216,7 +219,7 @@ def test_linear_gelu_tanh(dtype):
 def test_linear_measures_outside_graph_capture_only():
     """A shape first met during capture runs cuBLAS in that graph; its next use outside capture measures it."""
     x, weight = randn(3, 320, dtype=torch.bfloat16), randn(192, 320, dtype=torch.bfloat16)  # a shape no other test uses
-    key = ("linear", 3, 192, 320, torch.bfloat16, x.device)
+    key = ("linear", "3x320->192 bfloat16", x.device)
     expected = Torch.linear(x, weight)  # also warms cuBLAS up before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
