@@ -470,7 +470,9 @@ class TritonDecodeOps(TorchDecodeOps):
     MERGE_BLOCK = 32  # chunks merged per step of flash-decoding's merge
     BLOCK_N = 32
     SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
-    SPIN_CYCLES = 200_000  # GPU cycles (~0.1 ms) of busy wait before each timed call: longer than the host's launch
+    # GPU cycles (~0.5 ms) of busy wait before each timed call: longer than the host takes to launch the call's kernels
+    # (a 0.1 ms wait let a slow host's launches into the timings of three-launch candidates on an H200).
+    SPIN_CYCLES = 1_000_000
     choices = {}  # (op, rows, N, K, dtype, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
     tickets = {}  # device -> the counter `ticket` returns
