@@ -259,6 +259,9 @@ The settings below can be changed when loading, e.g.
   sizes.
 - Graphs exist per batch-size bucket and per KV-length bucket; a step attends only to the cache slots of its
   length bucket, not to the whole `static_cache_len`.
+- On CUDA the decode step runs fused Triton kernels (projection + residual add + RMSNorm, QK-norm + RoPE + KV
+  write + flash-decoding attention, gate/up + SwiGLU), each in the form that measured fastest on the device at
+  first use.
 - The vision tower keeps each image size's position tables and, on CUDA, replays CUDA graphs: a single image at
   its exact size, several images padded to a patch-count bucket (padding patches are masked out); its patch
   embedding runs as one matrix product, its residual adds are fused with the LayerNorms, and its GELU runs as the
