@@ -471,7 +471,7 @@ class TritonDecodeOps(TorchDecodeOps):
     BLOCK_N = 32
     SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
     # GPU cycles (~0.5 ms) of busy wait before each timed call: longer than the host takes to launch the call's kernels
-    # (a 0.1 ms wait let a slow host's launches into the timings of three-launch candidates on an H200).
+    # (0.1 ms, with each kernel launched from the host, let a slow host's launches into the timings on an H200).
     SPIN_CYCLES = 1_000_000
     choices = {}  # (op, rows, N, K, dtype, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
@@ -488,13 +488,16 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def linear_swiglu(cls, x, gate_up_weight):
-        """The gate/up projection then the SwiGLU kernel, or one skinny matmul with SwiGLU as its epilogue: whichever
-        measured faster."""
+        """The gate/up projection then the SwiGLU kernel, or one skinny matmul with SwiGLU as its epilogue (the rule's
+        column tiles, or tiles half as wide: twice the programs): whichever measured fastest."""
         separate = lambda: super(TritonDecodeOps, cls).linear_swiglu(x, gate_up_weight)  # noqa: E731
         if not cls.skinny(x, gate_up_weight):
             return separate()
-        fused = lambda: cls.skinny_matmul(x, gate_up_weight, swiglu=True)  # noqa: E731
-        return cls.measured("linear_swiglu", cls.matmul_shape(x, gate_up_weight), x.device, (separate, fused))
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+        rule = cls.skinny_config(gate_up_weight.shape[0] // 2, x.shape[1], sms, can_split=False)
+        fused = [lambda config=config: cls.skinny_matmul(x, gate_up_weight, config, swiglu=True)
+                 for config in (rule, rule._replace(block_n=max(16, rule.block_n // 2)))]
+        return cls.measured("linear_swiglu", cls.matmul_shape(x, gate_up_weight), x.device, (separate, *fused))
 
     @classmethod
     def linear_add_rms_norm(cls, x, weight, bias, hidden, norm_weight, eps):
@@ -545,24 +548,31 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def time_calls(cls, candidates, reps=20) -> list:
-        """Median microseconds of each call, as in the decode graph: the GPU runs each call without waiting for the
-        host (a spin kernel covers the launch) and reads the weights from HBM, as the step does with weights far
-        larger than L2 (reading twice L2's size first evicts it, leaving no dirty lines to write back).
-        Synchronizes only the current stream's work."""
+        """Median microseconds of each call, as in the decode graph: each call is captured as a CUDA graph of its own
+        (its kernels then follow each other as closely as in the step; launched one by one from the host, a call of
+        several kernels would also pay the gaps between launches), the GPU replays it without waiting for the host
+        (a spin kernel covers the launch) and reads the weights from HBM, as the step does with weights far larger
+        than L2 (reading twice L2's size first evicts it, leaving no dirty lines to write back).
+        Synchronizes the device once, for the captures."""
+        graphs = []
         for candidate in candidates:
-            for _ in range(3):  # compiles the kernels, warms cuBLAS
+            for _ in range(3):  # compiles the kernels, warms cuBLAS, measures the ops a candidate itself dispatches
                 candidate()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                candidate()
+            graphs.append(graph)
         device = torch.cuda.current_device()
         flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size // 2, dtype=torch.float32, device=device)
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
                   for _ in candidates]
         for rep in range(reps):
-            for candidate, pairs in zip(candidates, events):
+            for graph, pairs in zip(graphs, events):
                 flush.sum()
                 torch.cuda._sleep(cls.SPIN_CYCLES)
                 start, end = pairs[rep]
                 start.record()
-                candidate()
+                graph.replay()
                 end.record()
         events[-1][-1][1].synchronize()
         return [1000 * statistics.median(start.elapsed_time(end) for start, end in pairs) for pairs in events]
