@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: kernel tests, the CUDA tests, the benchmark, the demo (and the
-# probes PROBES="gemv pdl ..." names, bench/<name>_probe.py; CUDA_TESTS=0 skips the CUDA tests). Usage (on the H200): bash bench/gpu_all.sh [bench args...]. Results land in $OUT (or
-# bench/results): one log (gpu-all.log), the benchmark's JSON and PNG, and gemv-probe.json.
+# probes PROBES="gemv pdl ..." names, bench/<name>_probe.py; CUDA_TESTS=0 skips the CUDA tests).
+# Usage (on the H200): bash bench/gpu_all.sh [bench args...]. Results land in $OUT (or bench/results): one log
+# (gpu-all.log), the benchmark's JSON and PNG, and each probe's JSON.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"

@@ -205,7 +205,7 @@ def ttft_breakdown(ours, stock, prompts) -> list:
 
 KERNEL_CLASSES = {
     "gemv/gemm": ("gemv", "gemm", "xmma", "cutlass", "nvjet", "splitk", "skinny_matmul", "sum_splits"),
-    "attention": ("attention", "fmha", "flash", "sdpa", "softmax"),
+    "attention": ("attention", "fmha", "flash", "sdpa", "softmax", "merge"),
     "indexing": ("index", "scatter", "gather"),
     "argmax/sampling": ("argmax", "argmin", "sort", "exponential"),
     "norm/rope/elementwise": ("elementwise", "vectorized", "reduce", "norm", "cat", "copy", "roll", "silu", "gelu"),

@@ -473,7 +473,7 @@ class TritonDecodeOps(TorchDecodeOps):
     # GPU cycles (~0.5 ms) of busy wait before each timed call: longer than the host takes to launch the call's kernels
     # (0.1 ms, with each kernel launched from the host, let a slow host's launches into the timings on an H200).
     SPIN_CYCLES = 1_000_000
-    choices = {}  # (op, rows, N, K, dtype, device) -> index of the candidate that measured fastest
+    choices = {}  # (op, shape description, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
     tickets = {}  # device -> the counter `ticket` returns
 
@@ -550,7 +550,7 @@ class TritonDecodeOps(TorchDecodeOps):
         several kernels would also pay the gaps between launches), the GPU replays it without waiting for the host
         (a spin kernel covers the launch) and reads the weights from HBM, as the step does with weights far larger
         than L2 (reading twice L2's size first evicts it, leaving no dirty lines to write back).
-        Synchronizes the device once, for the captures."""
+        Synchronizes the device: each capture does, and the timings are read at the end."""
         graphs = []
         for candidate in candidates:
             for _ in range(3):  # compiles the kernels, warms cuBLAS, measures the ops a candidate itself dispatches
