@@ -87,8 +87,6 @@ class DecodeRunner:
         self.qkv_weights, self.gate_up_weights = self.fused_weights[0::2], self.fused_weights[1::2]
         self.weight_addresses = self.linear_addresses()
         self.capturer = capturer
-        # Weight prefetches run on a stream of their own, beside the attention they overlap (CUDA only).
-        self.prefetch_stream = torch.cuda.Stream(device) if self.can_use_graphs and ops.L2_PREFETCH else None
         self.graphs = {}
         self.batch_size = 0
         self.length = 0  # slots filled in every real row (rows advance in lockstep)
@@ -214,10 +212,8 @@ class DecodeRunner:
         for layer, next_norm, keys, values, qkv_weight, gate_up_weight in layers:
             attn, norm = layer.self_attn, layer.post_attention_layernorm
             qk_norms = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon
-            qkv = ops.linear(x, qkv_weight)
-            self.prefetch_weights(layer, gate_up_weight)
             out = ops.decode_attention(
-                qkv, attn.config.num_attention_heads, qk_norms, rotary, keys, values, cache_lens,
+                ops.linear(x, qkv_weight), attn.config.num_attention_heads, qk_norms, rotary, keys, values, cache_lens,
                 context, kv_len, attn.scaling,
             )
             hidden, x = ops.linear_add_rms_norm(
@@ -227,23 +223,10 @@ class DecodeRunner:
                 ops.linear_swiglu(x, gate_up_weight), layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, hidden, next_norm.weight,
                 next_norm.variance_epsilon,
             )
-        if self.prefetch_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.prefetch_stream)  # joins the graph's side branch
         logits = ops.linear(x, self.model.lm_head.weight)
         cache_lens += 1
         positions += 1
         return logits
-
-    def prefetch_weights(self, layer, gate_up_weight) -> None:
-        """While the layer's attention reads its few MB of cache and leaves HBM mostly idle, start reading (parts of)
-        the projections that follow into L2, on the side stream: nothing waits for it until the step's end."""
-        if self.prefetch_stream is None:
-            return
-        weights = {"o_proj": layer.self_attn.o_proj.weight, "gate_up": gate_up_weight, "down": layer.mlp.down_proj.weight}
-        self.prefetch_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.prefetch_stream):
-            for name, fraction in self.ops.L2_PREFETCH.items():
-                self.ops.prefetch_l2(weights[name], fraction)
 
     # -- CUDA graphs ---------------------------------------------------------------------------------------
 

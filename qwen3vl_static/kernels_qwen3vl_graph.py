@@ -152,14 +152,6 @@ class TorchDecodeOps:
         hidden = hidden + delta
         return hidden, F.layer_norm(hidden, (hidden.shape[-1],), weight, bias, eps)
 
-    # Fractions of each row of the o_proj, gate/up and down weights to bring into L2 while a layer's attention runs
-    # (see `prefetch_l2`); the torch ops prefetch nothing.
-    L2_PREFETCH = {}
-
-    @staticmethod
-    def prefetch_l2(weight, fraction):
-        """Start reading the first `fraction` of each row of `weight` into L2 (a hint: results never depend on it)."""
-
     @staticmethod
     def linear_gelu_tanh(x, weight, bias):
         """The vision MLP's first projection and its tanh-approximated GELU (`gelu_pytorch_tanh`)."""
@@ -461,24 +453,6 @@ if triton is not None:
                 tl.store(ticket, 0)  # ready for the next launch
 
     @triton.jit
-    def _prefetch_l2_kernel(weight, n_rows, row_stride, prefix_bytes, ROWS: tl.constexpr, LINES: tl.constexpr,
-                            BULK: tl.constexpr):
-        """Ask L2 for the first `prefix_bytes` of each of ROWS rows of `weight` per program, and return at once: the
-        loads that later read them hit L2. BULK (sm90+): one TMA bulk prefetch per row; else one prefetch per
-        128-byte line of LINES (clamped to the prefix)."""
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        rows = tl.minimum(rows, n_rows - 1)  # a repeated request for the last row instead of a mask (asm takes none)
-        starts = weight.to(tl.pointer_type(tl.int8)) + rows.to(tl.int64) * row_stride
-        if BULK:
-            sizes = tl.full((ROWS,), prefix_bytes, tl.int32)
-            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
-                                      [starts, sizes], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            offsets = tl.minimum(tl.arange(0, LINES) * 128, prefix_bytes - 128)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l",
-                                      [starts[:, None] + offsets[None, :]], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr):
         """Split-K, pass 2: add the float32 partials and round once."""
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -496,7 +470,6 @@ class TritonDecodeOps(TorchDecodeOps):
     MERGE_BLOCK = 32  # chunks merged per step of flash-decoding's merge
     BLOCK_N = 32
     SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
-    L2_PREFETCH = {"o_proj": 1.0, "gate_up": 0.5}
     # GPU cycles (~0.5 ms) of busy wait before each timed call: longer than the host takes to launch the call's kernels
     # (0.1 ms, with each kernel launched from the host, let a slow host's launches into the timings on an H200).
     SPIN_CYCLES = 1_000_000
@@ -661,21 +634,6 @@ class TritonDecodeOps(TorchDecodeOps):
         if device not in cls.tickets:
             cls.tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
         return cls.tickets[device]
-
-    @staticmethod
-    def prefetch_l2(weight, fraction):
-        # Attention reads a few MB of cache with HBM mostly idle; the runner launches this beside it (side stream)
-        # so the next projections find their weights in L2 instead of waiting on HBM.
-        row_bytes = weight.shape[1] * weight.element_size()
-        prefix = min(row_bytes, triton.cdiv(int(fraction * row_bytes), 128) * 128)
-        if not weight.is_cuda or prefix == 0:
-            return
-        bulk = torch.cuda.get_device_capability(weight.device)[0] >= 9
-        rows = 128
-        _prefetch_l2_kernel[(triton.cdiv(weight.shape[0], rows),)](
-            weight, weight.shape[0], weight.stride(0) * weight.element_size(), prefix, ROWS=rows,
-            LINES=triton.next_power_of_2(triton.cdiv(prefix, 128)), BULK=bulk,
-        )
 
     @staticmethod
     def rotary(cos, sin):

@@ -237,24 +237,6 @@ def test_linear_measures_outside_graph_capture_only():
     assert key in Triton.choices
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "per-line"])
-def test_prefetch_l2_runs_and_changes_nothing(bulk):
-    """Both prefetch forms assemble and run (ragged rows, a prefix of an odd number of lines) and leave memory as it
-    was; the op prefetches inside a captured graph too."""
-    if bulk and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA bulk prefetch needs sm90")
-    weight = randn(300, 2112, dtype=torch.bfloat16)
-    before = weight.clone()
-    kernels._prefetch_l2_kernel[(3,)](weight, 300, weight.stride(0) * 2, 5 * 128, ROWS=128, LINES=8, BULK=bulk)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        Triton.prefetch_l2(weight, 0.5)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(weight, before)
-
-
 def test_skinny_config_splits_narrow_matrices_only():
     wide, narrow = Triton.skinny_config(151936, 2048, sms=132), Triton.skinny_config(2048, 6144, sms=132)
     assert wide.split_k == 1 and narrow.split_k > 1
