@@ -309,11 +309,14 @@ if triton is not None:
         part_out, part_max, part_sum, tickets, out, scale,
         stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
         SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MERGE_BLOCK: tl.constexpr,
-        FUSED_QKV: tl.constexpr, MERGE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, MERGE_BLOCK: tl.constexpr, FUSED_QKV: tl.constexpr, MERGE: tl.constexpr,
     ):
         """Decode attention of one new token per row, flash-decoding: a program per (row, KV head, chunk of CHUNK
-        slots) keeps an online softmax over its chunk (row r's cache is cache row r).
+        slots) takes the softmax over its chunk, one tile (row r's cache is cache row r).
+
+        The cache loads come first and depend on the row's length alone, so they are in flight while the queries
+        are prepared: slots before the length were all written (the prefill writes left padding too), and the ones
+        the row does not attend to (left padding) are zeroed after loading, so whatever they hold drops out.
 
         FUSED_QKV: `qkv` is the fused QKV output and every program norms and rotates its group's queries and the new
         key itself (cheap), so no separate pass precedes this one; the program whose chunk holds the new token's
@@ -328,43 +331,34 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         length = tl.load(cache_lens + row)  # slots before `length` hold the context; the new token is at `length`
         cache_offset = row * stride_cache_row + kv_head * stride_cache_head
+        slots = split * CHUNK + tl.arange(0, CHUNK)
+        in_memory = slots < (length if FUSED_QKV else length + 1)  # never an unwritten slot
+        k = tl.load(keys + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=in_memory[:, None], other=0.0)
+        v = tl.load(values + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=in_memory[:, None], other=0.0)
+        readable = tl.load(attendable + row * stride_attendable + slots, mask=in_memory, other=0) != 0
+        k = tl.where(readable[:, None], k, 0.0)
+        v = tl.where(readable[:, None], v, 0.0)
         if FUSED_QKV:
             q, new_k, new_v = _group_qkv(qkv, q_weight, k_weight, cos + row * HEAD_DIM, sin + row * HEAD_DIM, eps, row,
                                          kv_head, GROUP, GROUP_PAD, KV_HEADS, HEAD_DIM)
             if split == length // CHUNK:
                 tl.store(keys + cache_offset + length * stride_cache_slot + dims[None, :], new_k)
                 tl.store(values + cache_offset + length * stride_cache_slot + dims[None, :], new_v)
-            in_memory = length  # slots read from the cache: before `length`
+            current = slots == length
+            k = tl.where(current[:, None], new_k, k)
+            v = tl.where(current[:, None], new_v, v)
+            readable = readable | current
         else:
             heads = kv_head * GROUP + group
             q = tl.load(qkv + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
                         mask=group[:, None] < GROUP, other=0.0)
-            in_memory = length + 1
-        best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-        total = tl.zeros((GROUP_PAD,), tl.float32)
-        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        for start in range(split * CHUNK, split * CHUNK + CHUNK, BLOCK_N):
-            slots = start + tl.arange(0, BLOCK_N)
-            # Never an unwritten slot (beyond the new token) nor left padding.
-            stored = tl.load(attendable + row * stride_attendable + slots, mask=slots < in_memory, other=0) != 0
-            k = tl.load(keys + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=stored[:, None], other=0.0)
-            v = tl.load(values + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=stored[:, None], other=0.0)
-            readable = stored
-            if FUSED_QKV:
-                current = (slots == length)[:, None]
-                k = tl.where(current, new_k, k)
-                v = tl.where(current, new_v, v)
-                readable = stored | (slots == length)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            scores = tl.where(readable[None, :], scores, float("-inf"))
-            new_best = tl.maximum(best, tl.max(scores, axis=1))
-            base = tl.where(new_best == float("-inf"), 0.0, new_best)  # an all-masked block must not give NaN
-            weights = tl.exp(scores - base[:, None])
-            correction = tl.exp(best - base)
-            total = total * correction + tl.sum(weights, axis=1)
-            # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
-            acc = acc * correction[:, None] + tl.dot(weights, v.to(tl.float32))
-            best = new_best
+        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        scores = tl.where(readable[None, :], scores, float("-inf"))
+        best = tl.max(scores, axis=1)
+        weights = tl.exp(scores - tl.where(best == float("-inf"), 0.0, best)[:, None])  # an empty chunk: no NaN
+        total = tl.sum(weights, axis=1)
+        # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
+        acc = tl.dot(weights, v.to(tl.float32))
         pair = row * KV_HEADS + kv_head
         part = (pair * SPLITS + split) * GROUP + group
         live = group < GROUP
@@ -466,9 +460,9 @@ if triton is not None:
 class TritonDecodeOps(TorchDecodeOps):
     """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output."""
 
-    CHUNK = 64  # KV slots per flash-decoding program
+    CHUNK = 64  # KV slots per flash-decoding program (one tile)
+    ATTENTION_WARPS = 4
     MERGE_BLOCK = 32  # chunks merged per step of flash-decoding's merge
-    BLOCK_N = 32
     SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
     # GPU cycles (~0.5 ms) of busy wait before each timed call: longer than the host takes to launch the call's kernels
     # (0.1 ms, with each kernel launched from the host, let a slow host's launches into the timings on an H200).
@@ -719,8 +713,8 @@ class TritonDecodeOps(TorchDecodeOps):
             part_out, part_max, part_sum, tickets, out, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_N=cls.BLOCK_N, MERGE_BLOCK=cls.MERGE_BLOCK,
-            FUSED_QKV=fused_qkv, MERGE=merge,
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, MERGE_BLOCK=cls.MERGE_BLOCK, FUSED_QKV=fused_qkv, MERGE=merge,
+            num_warps=cls.ATTENTION_WARPS,
         )
         if not merge:
             _merge_kernel[(rows * heads,)](part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=head_dim,
