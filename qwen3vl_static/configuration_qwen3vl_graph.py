@@ -38,8 +38,8 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             powers of two from 256 up to `static_cache_len`.
         steps_per_sync (`int`, defaults to 8):
             Decode steps the device runs (sampling and EOS checks included) before the host reads their tokens.
-            Larger values sync less often; up to `steps_per_sync - 1` steps past the last EOS are computed and
-            dropped.
+            The next chunk is queued before the host reads one, so the GPU does not wait for the host; up to
+            `2 * steps_per_sync - 1` steps past the last EOS are computed and dropped.
         prefill_graph_tokens (`int`, defaults to 2048):
             Largest prompt (batch bucket x token bucket, in tokens) whose language-model prefill is padded to
             power-of-two token buckets (from 16) and replayed as a CUDA graph; larger prompts run the same prefill

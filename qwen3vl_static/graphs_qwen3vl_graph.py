@@ -159,11 +159,32 @@ class DecodeRunner:
         """Feed one token per row and let the device pick `steps` (<= steps_per_sync) tokens; returns them and
         the unfinished flags after each step, `(b, steps)` each, on the host (the loop's one sync)."""
         self.input_ids[: self.batch_size, 0] = tokens
+        return self.collect(self.issue(steps, mode))
+
+    def issue(self, steps: int, mode: str):
+        """Queue `steps` (<= steps_per_sync) steps that continue from the current input tokens (each step feeds its
+        token to the next) and the copy of their tokens and flags to the host; returns a handle for `collect`. The
+        host does not wait: it can queue the next chunk while the GPU runs this one."""
         self.chunk_step.zero_()
         self._run(mode, steps)
         batch = self.batch_size
-        # copy=True: on a CPU model `.cpu()` would alias the buffers the next chunk overwrites.
-        return self.out_tokens[:batch, :steps].to("cpu", copy=True), self.out_unfinished[:batch, :steps].to("cpu", copy=True)
+        tokens, unfinished = self.out_tokens[:batch, :steps], self.out_unfinished[:batch, :steps]
+        if not tokens.is_cuda:  # a copy: the buffers are overwritten by the next chunk
+            return tokens.clone(), unfinished.clone(), None
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens, unfinished)]
+        for target, source in zip(host, (tokens, unfinished)):
+            target.copy_(source, non_blocking=True)  # queued before the next chunk's steps overwrite the source
+        copied = torch.cuda.Event()
+        copied.record()
+        return *host, copied
+
+    @staticmethod
+    def collect(handle):
+        """Wait for an issued chunk; its tokens and unfinished flags on the host, `(b, steps)` each."""
+        tokens, unfinished, copied = handle
+        if copied is not None:
+            copied.synchronize()
+        return tokens, unfinished
 
     def _run(self, mode: str, steps: int) -> None:
         rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, self.batch_size)]
@@ -202,7 +223,7 @@ class DecodeRunner:
         ids, positions, cache_lens = self.input_ids[:rows], self.positions[:, :rows], self.cache_lens[:rows]
         hidden = text.embed_tokens(ids)[:, 0]
         rotary = ops.rotary(*text.rotary_emb(hidden, positions))  # shared by all layers
-        context = ops.attention_context(self.attendable[:rows], cache_lens, kv_len, hidden.dtype, self.cache.full_keys[0].shape[1])
+        context = ops.attention_context(self.attendable[:rows], cache_lens, kv_len, hidden.dtype)
         # Each projection into the residual stream comes with the add and the RMSNorm that follow it (the
         # post-attention norm, the next layer's input norm or the final one).
         norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]

@@ -59,7 +59,7 @@ class TorchDecodeOps:
         return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
     @staticmethod
-    def attention_context(attendable, cache_lens, kv_len, dtype, kv_heads):
+    def attention_context(attendable, cache_lens, kv_len, dtype):
         """What decode attention needs besides the cache, built once per step: here an additive mask `(rows, 1, 1,
         kv_len)` and each row's cache row (its own).
 
@@ -278,9 +278,52 @@ if triton is not None:
         tl.store(values + slot, v)
 
     @triton.jit
-    def _merge_chunks(part_out, part_max, part_sum, out, pair, head, SPLITS,
-                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_BLOCK: tl.constexpr):
-        """Flash-decoding's merge: the chunks' partial softmaxes of query head `head` of (row, KV head) `pair`."""
+    def _decode_attention_kernel(
+        q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+        stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
+        SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
+        """Decode attention of one new token per row, flash-decoding's first pass: a program per (row, KV head, chunk
+        of CHUNK slots) takes the softmax of the KV head's query group over its chunk, one tile (row r's cache is
+        cache row r, the new token's K/V already in it).
+
+        The cache loads come first and depend on the row's length alone: slots up to the new token's were all
+        written (the prefill writes left padding too), and the ones the row does not attend to (left padding) are
+        zeroed after loading, so whatever they hold drops out. Slots past the new token are never read."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        slots = split * CHUNK + tl.arange(0, CHUNK)
+        written = slots <= tl.load(cache_lens + row)
+        cache = row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot + dims[None, :]
+        k = tl.load(keys + cache, mask=written[:, None], other=0.0)
+        v = tl.load(values + cache, mask=written[:, None], other=0.0)
+        readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
+        k = tl.where(readable[:, None], k, 0.0)
+        v = tl.where(readable[:, None], v, 0.0)
+        heads = kv_head * GROUP + group
+        queries = tl.load(q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
+                          mask=group[:, None] < GROUP, other=0.0)
+        scores = tl.dot(queries, tl.trans(k)).to(tl.float32) * scale
+        scores = tl.where(readable[None, :], scores, float("-inf"))
+        best = tl.max(scores, axis=1)
+        weights = tl.exp(scores - tl.where(best == float("-inf"), 0.0, best)[:, None])  # an empty chunk: no NaN
+        # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
+        acc = tl.dot(weights, v.to(tl.float32))
+        part = ((row * KV_HEADS + kv_head) * SPLITS + split) * GROUP + group
+        live = group < GROUP
+        tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
+        tl.store(part_max + part, best, mask=live)
+        tl.store(part_sum + part, tl.sum(weights, axis=1), mask=live)
+
+    @triton.jit
+    def _merge_kernel(part_out, part_max, part_sum, out, SPLITS, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      MERGE_BLOCK: tl.constexpr):
+        """Flash-decoding's second pass: one program per (row, query head) merges its chunks' partial softmaxes."""
+        pair, head = tl.program_id(0) // GROUP, tl.program_id(0) % GROUP  # pair: (row, KV head)
         dims = tl.arange(0, HEAD_DIM)
         top = tl.full((), float("-inf"), tl.float32)
         total = tl.zeros((), tl.float32)
@@ -289,97 +332,16 @@ if triton is not None:
             chunk = first + tl.arange(0, MERGE_BLOCK)
             index = (pair * SPLITS + chunk) * GROUP + head
             got = chunk < SPLITS
-            # .cg: read from L2, where other programs of this launch may just have written (L1 is not coherent).
-            chunk_max = tl.load(part_max + index, mask=got, other=float("-inf"), cache_modifier=".cg")
+            chunk_max = tl.load(part_max + index, mask=got, other=float("-inf"))
             new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
             base = tl.where(new_top == float("-inf"), 0.0, new_top)
             weights = tl.where(got, tl.exp(chunk_max - base), 0.0)
             correction = tl.exp(top - base)
-            chunk_sum = tl.load(part_sum + index, mask=got, other=0.0, cache_modifier=".cg")
-            total = total * correction + tl.sum(chunk_sum * weights, axis=0)
-            chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0,
-                                cache_modifier=".cg")
+            total = total * correction + tl.sum(tl.load(part_sum + index, mask=got, other=0.0) * weights, axis=0)
+            chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0)
             merged = merged * correction + tl.sum(chunk_out * weights[:, None], axis=0)
             top = new_top
         tl.store(out + (pair * GROUP + head) * HEAD_DIM + dims, (merged / total).to(out.dtype.element_ty))
-
-    @triton.jit
-    def _decode_attention_kernel(
-        qkv, q_weight, k_weight, cos, sin, eps, keys, values, cache_lens, attendable,
-        part_out, part_max, part_sum, tickets, out, scale,
-        stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
-        SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, MERGE_BLOCK: tl.constexpr, FUSED_QKV: tl.constexpr, MERGE: tl.constexpr,
-    ):
-        """Decode attention of one new token per row, flash-decoding: a program per (row, KV head, chunk of CHUNK
-        slots) takes the softmax over its chunk, one tile (row r's cache is cache row r).
-
-        The cache loads come first and depend on the row's length alone, so they are in flight while the queries
-        are prepared: slots before the length were all written (the prefill writes left padding too), and the ones
-        the row does not attend to (left padding) are zeroed after loading, so whatever they hold drops out.
-
-        FUSED_QKV: `qkv` is the fused QKV output and every program norms and rotates its group's queries and the new
-        key itself (cheap), so no separate pass precedes this one; the program whose chunk holds the new token's
-        slot writes its K/V into the cache, and uses them from registers (no program reads that slot from memory
-        in this launch). Else `qkv` holds the queries `(rows, Hq, D)` and the new K/V are already in the cache.
-        MERGE: the last program of a (row, KV head) to finish (a ticket counts them) merges the chunks, so no
-        separate pass follows; else `_merge_kernel` does."""
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        split = tl.program_id(2)
-        group = tl.arange(0, GROUP_PAD)
-        dims = tl.arange(0, HEAD_DIM)
-        length = tl.load(cache_lens + row)  # slots before `length` hold the context; the new token is at `length`
-        cache_offset = row * stride_cache_row + kv_head * stride_cache_head
-        slots = split * CHUNK + tl.arange(0, CHUNK)
-        in_memory = slots < (length if FUSED_QKV else length + 1)  # never an unwritten slot
-        k = tl.load(keys + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=in_memory[:, None], other=0.0)
-        v = tl.load(values + cache_offset + slots[:, None] * stride_cache_slot + dims[None, :], mask=in_memory[:, None], other=0.0)
-        readable = tl.load(attendable + row * stride_attendable + slots, mask=in_memory, other=0) != 0
-        k = tl.where(readable[:, None], k, 0.0)
-        v = tl.where(readable[:, None], v, 0.0)
-        if FUSED_QKV:
-            q, new_k, new_v = _group_qkv(qkv, q_weight, k_weight, cos + row * HEAD_DIM, sin + row * HEAD_DIM, eps, row,
-                                         kv_head, GROUP, GROUP_PAD, KV_HEADS, HEAD_DIM)
-            if split == length // CHUNK:
-                tl.store(keys + cache_offset + length * stride_cache_slot + dims[None, :], new_k)
-                tl.store(values + cache_offset + length * stride_cache_slot + dims[None, :], new_v)
-            current = slots == length
-            k = tl.where(current[:, None], new_k, k)
-            v = tl.where(current[:, None], new_v, v)
-            readable = readable | current
-        else:
-            heads = kv_head * GROUP + group
-            q = tl.load(qkv + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
-                        mask=group[:, None] < GROUP, other=0.0)
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        scores = tl.where(readable[None, :], scores, float("-inf"))
-        best = tl.max(scores, axis=1)
-        weights = tl.exp(scores - tl.where(best == float("-inf"), 0.0, best)[:, None])  # an empty chunk: no NaN
-        total = tl.sum(weights, axis=1)
-        # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
-        acc = tl.dot(weights, v.to(tl.float32))
-        pair = row * KV_HEADS + kv_head
-        part = (pair * SPLITS + split) * GROUP + group
-        live = group < GROUP
-        tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
-        tl.store(part_max + part, best, mask=live)
-        tl.store(part_sum + part, total, mask=live)
-        if MERGE:
-            # The barrier puts all of this program's stores before the ticket's release; the ticket's acquire puts
-            # every other program's stores before the merge's reads.
-            tl.debug_barrier()
-            if tl.atomic_add(tickets + pair, 1, sem="acq_rel") == SPLITS - 1:
-                for head in tl.static_range(GROUP):
-                    _merge_chunks(part_out, part_max, part_sum, out, pair, head, SPLITS, GROUP, HEAD_DIM, MERGE_BLOCK)
-                tl.store(tickets + pair, 0)  # ready for the next layer's launch
-
-    @triton.jit
-    def _merge_kernel(part_out, part_max, part_sum, out, SPLITS, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      MERGE_BLOCK: tl.constexpr):
-        """Flash-decoding's second pass, where the first does not merge: one program per (row, query head)."""
-        _merge_chunks(part_out, part_max, part_sum, out, tl.program_id(0) // GROUP, tl.program_id(0) % GROUP, SPLITS,
-                      GROUP, HEAD_DIM, MERGE_BLOCK)
 
     @triton.jit
     def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr):
@@ -461,7 +423,6 @@ class TritonDecodeOps(TorchDecodeOps):
     """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output."""
 
     CHUNK = 64  # KV slots per flash-decoding program (one tile)
-    ATTENTION_WARPS = 4
     MERGE_BLOCK = 32  # chunks merged per step of flash-decoding's merge
     SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
     # GPU cycles (~0.5 ms) of busy wait before each timed call: longer than the host takes to launch the call's kernels
@@ -634,11 +595,10 @@ class TritonDecodeOps(TorchDecodeOps):
         return cos.reshape(cos.shape[0], -1).contiguous(), sin.reshape(sin.shape[0], -1).contiguous()
 
     @staticmethod
-    def attention_context(attendable, cache_lens, kv_len, dtype, kv_heads):
-        # Per (row, KV head): how many of its programs have finished (each launch leaves them at zero again); and
-        # each row's cache row (its own), for the separate KV write.
-        rows, device = len(cache_lens), cache_lens.device
-        return attendable, torch.zeros(rows * kv_heads, dtype=torch.int32, device=device), torch.arange(rows, device=device)
+    def attention_context(attendable, cache_lens, kv_len, dtype):
+        # The attendable slots as they are (the kernel bounds each row by its length), and each row's cache row (its
+        # own) for the KV write.
+        return attendable, torch.arange(len(cache_lens), device=cache_lens.device)
 
     @staticmethod
     def rms_norm(x, weight, eps):
@@ -679,46 +639,26 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def decode_attention(cls, qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
-        """Flash-decoding in one, two or three launches (QK-norm/RoPE/KV write fused in or not, the merge fused in or
-        not): whichever measured fastest for these sizes."""
-        rows, head_dim = qkv.shape[0], keys.shape[-1]
-        shape = (f"{rows} rows x {kv_len} slots, {heads} / {keys.shape[1]} heads x {head_dim} "
-                 f"{str(qkv.dtype).removeprefix('torch.')}")
-        candidates = [
-            lambda fused_qkv=fused_qkv, merge=merge: cls.flash_decoding(
-                qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale, fused_qkv, merge)
-            for fused_qkv, merge in ((False, False), (True, False), (True, True))
-        ]
-        return cls.measured("decode_attention", shape, qkv.device, candidates)
-
-    @classmethod
-    def flash_decoding(cls, qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale, fused_qkv,
-                       merge):
-        """`decode_attention` with QK-norm/RoPE/KV write in the attention launch or before it (`fused_qkv`), and the
-        chunks merged by the attention launch's last programs or by a launch of its own (`merge`)."""
-        attendable, tickets, cache_rows = context
-        q_weight, k_weight, eps = qk_norms
-        cos, sin = rotary
+        """QK-norm/RoPE/KV write, then flash-decoding in two launches: chunks, then their merge. (Fusing the first
+        launch into the second, and the merge into the chunks' last programs, timed faster alone on an H200 but made
+        the whole step slower at every batch size: bench/results/*step-probe.json.)"""
+        attendable, cache_rows = context
         rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
         group = heads // kv_heads
-        if not fused_qkv:
-            qkv = cls.qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_lens)
+        q = cls.qk_norm_rope_write(qkv, heads, *qk_norms, rotary, keys, values, cache_rows, cache_lens)
         splits = triton.cdiv(kv_len, cls.CHUNK)
         part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
         part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=qkv.device)
         part_sum = torch.empty_like(part_max)
-        out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
         _decode_attention_kernel[(rows, kv_heads, splits)](
-            qkv, q_weight, k_weight, cos, sin, eps, keys, values, cache_lens, attendable,
-            part_out, part_max, part_sum, tickets, out, scale,
+            q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            KV_HEADS=kv_heads, HEAD_DIM=head_dim, MERGE_BLOCK=cls.MERGE_BLOCK, FUSED_QKV=fused_qkv, MERGE=merge,
-            num_warps=cls.ATTENTION_WARPS,
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
-        if not merge:
-            _merge_kernel[(rows * heads,)](part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=head_dim,
-                                           MERGE_BLOCK=cls.MERGE_BLOCK)
+        out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+        _merge_kernel[(rows * heads,)](part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=head_dim,
+                                       MERGE_BLOCK=cls.MERGE_BLOCK)
         return out
 
     @staticmethod

@@ -12,6 +12,7 @@ passed by the caller, ...) runs transformers' own code path.
 
 import threading
 import time
+from collections import deque
 from contextlib import nullcontext
 from functools import partial
 
@@ -266,7 +267,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         return self._prefill_runner.run(input_ids, attention_mask, positions, visual, deepstack, padded)
 
     def _device_loop(self, input_ids, logits, plan, generation_config, streamer):
-        """Sampling and EOS checks on the device, `steps_per_sync` steps per host read."""
+        """Sampling and EOS checks on the device, `steps_per_sync` steps per host read, one chunk queued ahead."""
         runner = self._runner
         pad_id = generation_config._pad_token_tensor
         runner.set_sampling(plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"], pad_id)
@@ -281,19 +282,27 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         if streamer is not None:
             streamer.put(sequences[-1][:, 0])
         remaining = plan["max_length"] - input_ids.shape[1] - 1
-        while remaining > 0 and bool(unfinished.any()):
-            steps = min(runner.steps_per_sync, remaining)
-            chunk, alive = runner.token_steps(tokens, steps, plan["mode"])
-            all_done = (~alive.any(dim=0)).nonzero()
-            keep = int(all_done[0]) + 1 if len(all_done) else steps  # stock stops at the step all rows finish
-            sequences.append(chunk[:, :keep])
-            if streamer is not None:
-                for column in chunk[:, :keep].T:
-                    streamer.put(column)
-            tokens, unfinished = chunk[:, keep - 1].to(input_ids.device), alive[:, keep - 1]
-            remaining -= keep
-            if keep < steps:
-                break
+        if remaining > 0 and bool(unfinished.any()):
+            runner.input_ids[:batch, 0] = tokens
+            # One chunk ahead: the next chunk is queued before this one's tokens are read, so the GPU never waits for
+            # the host. When every row finishes, the chunk already queued is computed and dropped.
+            chunks, queued = deque(), 0
+            while queued < remaining or chunks:
+                if queued < remaining and len(chunks) < 2:
+                    steps = min(runner.steps_per_sync, remaining - queued)
+                    chunks.append((steps, runner.issue(steps, plan["mode"])))
+                    queued += steps
+                    continue
+                steps, handle = chunks.popleft()
+                chunk, alive = runner.collect(handle)
+                all_done = (~alive.any(dim=0)).nonzero()
+                keep = int(all_done[0]) + 1 if len(all_done) else steps  # stock stops at the step all rows finish
+                sequences.append(chunk[:, :keep])
+                if streamer is not None:
+                    for column in chunk[:, :keep].T:
+                        streamer.put(column)
+                if len(all_done):
+                    break
         return self._finish(torch.cat(sequences, dim=1).to(input_ids.device), None, None, generation_config, streamer)
 
     def _host_loop(self, input_ids, logits, logits_processor, stopping_criteria, generation_config, streamer):
