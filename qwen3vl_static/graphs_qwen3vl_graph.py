@@ -200,22 +200,15 @@ class DecodeRunner:
 
     def step(self, rows: int, kv_len: int, mode: str) -> None:
         """One decode step over the first `rows` rows, attending to the first `kv_len` cache slots."""
-        logits = self.forward(rows, kv_len).float()
+        logits = self.forward(rows, kv_len)
         if mode == "logits":
             self.logits[:rows] = logits
             return
-        if mode == "greedy":
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = sample_tokens(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows])
-        # Finished rows emit the pad token, as stock generate pads them; an EOS token finishes its row.
-        unfinished = self.unfinished[:rows]
-        tokens = torch.where(unfinished, tokens, self.pad_id)
-        unfinished &= ~(tokens[:, None] == self.eos_ids).any(dim=-1)
-        self.input_ids[:rows, 0] = tokens
-        self.out_tokens[:rows].index_copy_(1, self.chunk_step, tokens[:, None])
-        self.out_unfinished[:rows].index_copy_(1, self.chunk_step, unfinished[:, None])
-        self.chunk_step += 1
+        tokens = None  # greedy: the argmax, inside finish_step
+        if mode == "sample":
+            tokens = sample_tokens(logits.float(), self.temperature[:rows], self.top_k[:rows], self.top_p[:rows])
+        self.ops.finish_step(logits, tokens, self.unfinished[:rows], self.pad_id, self.eos_ids, self.input_ids[:rows],
+                             self.out_tokens[:rows], self.out_unfinished[:rows], self.chunk_step)
 
     def forward(self, rows: int, kv_len: int) -> torch.Tensor:
         """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row."""

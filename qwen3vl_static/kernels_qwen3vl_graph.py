@@ -147,6 +147,21 @@ class TorchDecodeOps:
         return cls.silu_mul(cls.linear(x, gate_up_weight))
 
     @staticmethod
+    def finish_step(logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished, chunk_step):
+        """The end of a sampling step, for rows `(b,)`: the greedy token (`tokens` None: argmax of `logits`, the first
+        of equal maxima) or the drawn `tokens`; finished rows emit `pad_id` (as stock generate pads them) and an EOS
+        token (`eos_ids`, -1 where unused) finishes its row. Feeds the token to the next step (`input_ids`), records
+        it and the flags in column `chunk_step` of `out_tokens` / `out_unfinished` and advances `chunk_step`."""
+        if tokens is None:
+            tokens = logits.float().argmax(dim=-1)
+        tokens = torch.where(unfinished, tokens, pad_id)
+        unfinished &= ~(tokens[:, None] == eos_ids).any(dim=-1)
+        input_ids[:, 0] = tokens
+        out_tokens.index_copy_(1, chunk_step, tokens[:, None])
+        out_unfinished.index_copy_(1, chunk_step, unfinished[:, None])
+        chunk_step += 1
+
+    @staticmethod
     def add_layer_norm(hidden, delta, weight, bias, eps):
         """The vision blocks' residual add, then LayerNorm of the sum: returns (sum, normed sum)."""
         hidden = hidden + delta
@@ -409,6 +424,42 @@ if triton is not None:
                 tl.store(ticket, 0)  # ready for the next launch
 
     @triton.jit
+    def _finish_step_kernel(
+        logits, n_vocab, stride_logits, tokens, unfinished, pad_id, eos_ids, input_ids, stride_input_ids,
+        out_tokens, stride_out_tokens, out_unfinished, stride_out_unfinished, chunk_step, ticket,
+        ARGMAX: tl.constexpr, BLOCK: tl.constexpr, EOS_IDS: tl.constexpr, EOS_PAD: tl.constexpr,
+    ):
+        """`TorchDecodeOps.finish_step` for one row per program, in one launch instead of a dozen. The last program
+        to finish (a ticket counts them) advances `chunk_step`, which every program read before."""
+        row = tl.program_id(0)
+        if ARGMAX:
+            # Per lane, the largest value and its first index; then the first index of the largest over lanes.
+            best = tl.full((BLOCK,), float("-inf"), tl.float32)
+            best_index = tl.zeros((BLOCK,), tl.int32)
+            for start in range(0, n_vocab, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x = tl.load(logits + row * stride_logits + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
+                better = x > best
+                best = tl.where(better, x, best)
+                best_index = tl.where(better, cols, best_index)
+            token = tl.min(tl.where(best == tl.max(best, axis=0), best_index, n_vocab), axis=0).to(tl.int64)
+        else:
+            token = tl.load(tokens + row)
+        live = tl.load(unfinished + row) != 0
+        token = tl.where(live, token, tl.load(pad_id))
+        eos = tl.load(eos_ids + tl.arange(0, EOS_PAD), mask=tl.arange(0, EOS_PAD) < EOS_IDS, other=-1)
+        live = live & (tl.sum((eos == token).to(tl.int32), axis=0) == 0)
+        step = tl.load(chunk_step)
+        tl.store(unfinished + row, live)
+        tl.store(input_ids + row * stride_input_ids, token)
+        tl.store(out_tokens + row * stride_out_tokens + step, token)
+        tl.store(out_unfinished + row * stride_out_unfinished + step, live)
+        tl.debug_barrier()
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.store(chunk_step, step + 1)
+            tl.store(ticket, 0)  # ready for the next launch
+
+    @triton.jit
     def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr):
         """Split-K, pass 2: add the float32 partials and round once."""
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -660,6 +711,16 @@ class TritonDecodeOps(TorchDecodeOps):
         _merge_kernel[(rows * heads,)](part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=head_dim,
                                        MERGE_BLOCK=cls.MERGE_BLOCK)
         return out
+
+    @classmethod
+    def finish_step(cls, logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished, chunk_step):
+        greedy = tokens is None
+        _finish_step_kernel[(logits.shape[0],)](
+            logits, logits.shape[1], logits.stride(0), logits if greedy else tokens, unfinished, pad_id, eos_ids,
+            input_ids, input_ids.stride(0), out_tokens, out_tokens.stride(0), out_unfinished, out_unfinished.stride(0),
+            chunk_step, cls.ticket(logits.device), ARGMAX=greedy, BLOCK=2048, EOS_IDS=len(eos_ids),
+            EOS_PAD=triton.next_power_of_2(len(eos_ids)), num_warps=8,
+        )
 
     @staticmethod
     def add_layer_norm(hidden, delta, weight, bias, eps):

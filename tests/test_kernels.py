@@ -217,6 +217,37 @@ def test_linear_gelu_tanh(dtype):
     torch.testing.assert_close(Triton.linear_gelu_tanh(x, weight, bias), expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "drawn"])
+def test_finish_step(dtype, greedy):
+    """The greedy token is the first of equal maxima, also when they lie in different blocks of the kernel's scan;
+    finished rows emit the pad token, EOS finishes a row, the token is fed and recorded in the current column."""
+    rows, vocab = 4, 5000
+    logits = randn(rows, vocab, dtype=dtype)
+    logits[0, [4100, 3000, 70]] = 50.0  # row 0: three equal maxima, the first at 70, in three blocks of 2048
+    logits[1, [2047, 2048]] = 50.0
+    drawn = torch.tensor([7, 9, 11, 13], device=DEVICE)
+    eos_ids = torch.tensor([11, 2048, 13, -1, -1, -1, -1, -1], device=DEVICE)
+    states = []
+    for ops in (Torch, Triton):
+        unfinished = torch.tensor([True, True, False, True], device=DEVICE)
+        input_ids = torch.full((rows, 1), -5, device=DEVICE)
+        out_tokens = torch.full((rows, 4), -5, device=DEVICE)
+        out_unfinished = torch.zeros(rows, 4, dtype=torch.bool, device=DEVICE)
+        chunk_step = torch.tensor([2], device=DEVICE)
+        ops.finish_step(logits, None if greedy else drawn, unfinished, torch.tensor(3, device=DEVICE), eos_ids, input_ids,
+                        out_tokens, out_unfinished, chunk_step)
+        states.append((unfinished, input_ids, out_tokens, out_unfinished, chunk_step))
+    for got, expected in zip(*reversed(states)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    unfinished, input_ids, out_tokens, _, chunk_step = states[1]
+    assert chunk_step.item() == 3 and (out_tokens[:, 2] == input_ids[:, 0]).all() and (out_tokens[:, [0, 1, 3]] == -5).all()
+    if greedy:
+        assert input_ids[:2, 0].tolist() == [70, 2047] and input_ids[2, 0] == 3  # row 2 was finished: pad
+    else:
+        assert input_ids[:, 0].tolist() == [7, 9, 3, 13] and unfinished.tolist() == [True, True, False, False]
+
+
 @pytest.mark.cuda
 def test_linear_measures_outside_graph_capture_only():
     """A shape first met during capture runs cuBLAS in that graph; its next use outside capture measures it."""
