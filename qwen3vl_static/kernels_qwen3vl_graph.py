@@ -425,39 +425,58 @@ if triton is not None:
 
     @triton.jit
     def _finish_step_kernel(
-        logits, n_vocab, stride_logits, tokens, unfinished, pad_id, eos_ids, input_ids, stride_input_ids,
-        out_tokens, stride_out_tokens, out_unfinished, stride_out_unfinished, chunk_step, ticket,
-        ARGMAX: tl.constexpr, BLOCK: tl.constexpr, EOS_IDS: tl.constexpr, EOS_PAD: tl.constexpr,
+        logits, n_vocab, stride_logits, part_value, part_index, tokens, unfinished, pad_id, eos_ids, input_ids,
+        stride_input_ids, out_tokens, stride_out_tokens, out_unfinished, stride_out_unfinished, chunk_step, ticket, rows,
+        ARGMAX: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, ROWS_PAD: tl.constexpr, EOS_IDS: tl.constexpr,
+        EOS_PAD: tl.constexpr,
     ):
-        """`TorchDecodeOps.finish_step` for one row per program, in one launch instead of a dozen. The last program
-        to finish (a ticket counts them) advances `chunk_step`, which every program read before."""
-        row = tl.program_id(0)
+        """`TorchDecodeOps.finish_step` in one launch instead of a dozen. ARGMAX: a program per (row, part of the
+        vocabulary) finds the part's largest logit and its first index, and the last program to finish (a ticket
+        counts them) picks each row's token from the parts; else one program takes the drawn `tokens`. That last
+        program alone finishes the step, for every row."""
         if ARGMAX:
+            row, part = tl.program_id(0), tl.program_id(1)
+            width = tl.cdiv(tl.cdiv(n_vocab, PARTS), BLOCK) * BLOCK
             # Per lane, the largest value and its first index; then the first index of the largest over lanes.
             best = tl.full((BLOCK,), float("-inf"), tl.float32)
             best_index = tl.zeros((BLOCK,), tl.int32)
-            for start in range(0, n_vocab, BLOCK):
+            for start in range(part * width, part * width + width, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 x = tl.load(logits + row * stride_logits + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
                 better = x > best
                 best = tl.where(better, x, best)
                 best_index = tl.where(better, cols, best_index)
-            token = tl.min(tl.where(best == tl.max(best, axis=0), best_index, n_vocab), axis=0).to(tl.int64)
+            top = tl.max(best, axis=0)
+            tl.store(part_value + row * PARTS + part, top)
+            tl.store(part_index + row * PARTS + part, tl.min(tl.where(best == top, best_index, n_vocab), axis=0))
+            # The barrier puts this program's stores before the ticket's release; the last program's acquire puts
+            # every program's stores before its reads (which bypass L1).
+            tl.debug_barrier()
+            last = tl.atomic_add(ticket, 1, sem="acq_rel") == rows * PARTS - 1
         else:
-            token = tl.load(tokens + row)
-        live = tl.load(unfinished + row) != 0
-        token = tl.where(live, token, tl.load(pad_id))
-        eos = tl.load(eos_ids + tl.arange(0, EOS_PAD), mask=tl.arange(0, EOS_PAD) < EOS_IDS, other=-1)
-        live = live & (tl.sum((eos == token).to(tl.int32), axis=0) == 0)
-        step = tl.load(chunk_step)
-        tl.store(unfinished + row, live)
-        tl.store(input_ids + row * stride_input_ids, token)
-        tl.store(out_tokens + row * stride_out_tokens + step, token)
-        tl.store(out_unfinished + row * stride_out_unfinished + step, live)
-        tl.debug_barrier()
-        if tl.atomic_add(ticket, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            last = True
+        if last:
+            row_ids = tl.arange(0, ROWS_PAD)
+            real = row_ids < rows
+            if ARGMAX:
+                parts = row_ids[:, None] * PARTS + tl.arange(0, PARTS)[None, :]
+                values = tl.load(part_value + parts, mask=real[:, None], other=float("-inf"), cache_modifier=".cg")
+                indices = tl.load(part_index + parts, mask=real[:, None], other=0, cache_modifier=".cg")
+                top = tl.max(values, axis=1)
+                token = tl.min(tl.where(values == top[:, None], indices, n_vocab), axis=1).to(tl.int64)
+                tl.store(ticket, 0)  # ready for the next launch
+            else:
+                token = tl.load(tokens + row_ids, mask=real, other=0)
+            live = tl.load(unfinished + row_ids, mask=real, other=0) != 0
+            token = tl.where(live, token, tl.load(pad_id))
+            eos = tl.load(eos_ids + tl.arange(0, EOS_PAD), mask=tl.arange(0, EOS_PAD) < EOS_IDS, other=-1)
+            live = live & (tl.sum((eos[None, :] == token[:, None]).to(tl.int32), axis=1) == 0)
+            step = tl.load(chunk_step)
+            tl.store(unfinished + row_ids, live, mask=real)
+            tl.store(input_ids + row_ids * stride_input_ids, token, mask=real)
+            tl.store(out_tokens + row_ids * stride_out_tokens + step, token, mask=real)
+            tl.store(out_unfinished + row_ids * stride_out_unfinished + step, live, mask=real)
             tl.store(chunk_step, step + 1)
-            tl.store(ticket, 0)  # ready for the next launch
 
     @triton.jit
     def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr):
@@ -714,12 +733,16 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def finish_step(cls, logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished, chunk_step):
+        rows, vocab = logits.shape
         greedy = tokens is None
-        _finish_step_kernel[(logits.shape[0],)](
-            logits, logits.shape[1], logits.stride(0), logits if greedy else tokens, unfinished, pad_id, eos_ids,
-            input_ids, input_ids.stride(0), out_tokens, out_tokens.stride(0), out_unfinished, out_unfinished.stride(0),
-            chunk_step, cls.ticket(logits.device), ARGMAX=greedy, BLOCK=2048, EOS_IDS=len(eos_ids),
-            EOS_PAD=triton.next_power_of_2(len(eos_ids)), num_warps=8,
+        parts = 64 if greedy else 1  # of the vocabulary per row: the argmax reads it with many SMs
+        part_value = torch.empty(rows * parts, dtype=torch.float32, device=logits.device)
+        part_index = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
+        _finish_step_kernel[(rows if greedy else 1, parts)](
+            logits, vocab, logits.stride(0), part_value, part_index, logits if greedy else tokens, unfinished, pad_id,
+            eos_ids, input_ids, input_ids.stride(0), out_tokens, out_tokens.stride(0), out_unfinished,
+            out_unfinished.stride(0), chunk_step, cls.ticket(logits.device), rows, ARGMAX=greedy, PARTS=parts, BLOCK=1024,
+            ROWS_PAD=max(2, triton.next_power_of_2(rows)), EOS_IDS=len(eos_ids), EOS_PAD=triton.next_power_of_2(len(eos_ids)),
         )
 
     @staticmethod

@@ -220,14 +220,15 @@ def test_linear_gelu_tanh(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "drawn"])
 def test_finish_step(dtype, greedy):
-    """The greedy token is the first of equal maxima, also when they lie in different blocks of the kernel's scan;
-    finished rows emit the pad token, EOS finishes a row, the token is fed and recorded in the current column."""
-    rows, vocab = 4, 5000
+    """The greedy token is the first of equal maxima, also when a later one comes first in the kernel's scan or lies
+    in another part of the vocabulary; finished rows emit the pad token, EOS finishes a row, the token is fed and
+    recorded in the current column."""
+    rows, vocab = 4, 140000  # 64 parts of 3 blocks of 1024
     logits = randn(rows, vocab, dtype=dtype)
-    logits[0, [4100, 3000, 70]] = 50.0  # row 0: three equal maxima, the first at 70, in three blocks of 2048
-    logits[1, [2047, 2048]] = 50.0
+    logits[0, [1027, 5, 3100]] = 50.0  # 1027 is in lane 3 of part 0's second block; 5 in lane 5 of its first
+    logits[1, [3071, 3072]] = 50.0  # the last of part 0, the first of part 1
     drawn = torch.tensor([7, 9, 11, 13], device=DEVICE)
-    eos_ids = torch.tensor([11, 2048, 13, -1, -1, -1, -1, -1], device=DEVICE)
+    eos_ids = torch.tensor([11, 3072, 13, -1, -1, -1, -1, -1], device=DEVICE)
     states = []
     for ops in (Torch, Triton):
         unfinished = torch.tensor([True, True, False, True], device=DEVICE)
@@ -243,7 +244,7 @@ def test_finish_step(dtype, greedy):
     unfinished, input_ids, out_tokens, _, chunk_step = states[1]
     assert chunk_step.item() == 3 and (out_tokens[:, 2] == input_ids[:, 0]).all() and (out_tokens[:, [0, 1, 3]] == -5).all()
     if greedy:
-        assert input_ids[:2, 0].tolist() == [70, 2047] and input_ids[2, 0] == 3  # row 2 was finished: pad
+        assert input_ids[:2, 0].tolist() == [5, 3071] and input_ids[2, 0] == 3  # row 2 was finished: pad
     else:
         assert input_ids[:, 0].tolist() == [7, 9, 3, 13] and unfinished.tolist() == [True, True, False, False]
 
