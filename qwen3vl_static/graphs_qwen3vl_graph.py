@@ -86,6 +86,7 @@ class DecodeRunner:
         self.fused_weights = [fuse_weights(linears) for linears in self.fused_linears]
         self.qkv_weights, self.gate_up_weights = self.fused_weights[0::2], self.fused_weights[1::2]
         self.weight_addresses = self.linear_addresses()
+        self.rotary_components = ops.rotary_components(text.rotary_emb, device)
         self.capturer = capturer
         self.graphs = {}
         self.batch_size = 0
@@ -215,7 +216,7 @@ class DecodeRunner:
         ops, text = self.ops, self.model.model.language_model
         ids, positions, cache_lens = self.input_ids[:rows], self.positions[:, :rows], self.cache_lens[:rows]
         hidden = text.embed_tokens(ids)[:, 0]
-        rotary = ops.rotary(*text.rotary_emb(hidden, positions))  # shared by all layers
+        rotary = ops.decode_rotary(text.rotary_emb, hidden, positions, self.rotary_components)  # shared by all layers
         context = ops.attention_context(self.attendable[:rows], cache_lens, kv_len, hidden.dtype)
         # Each projection into the residual stream comes with the add and the RMSNorm that follow it (the
         # post-attention norm, the next layer's input norm or the final one).

@@ -59,6 +59,16 @@ class TorchDecodeOps:
         return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
     @staticmethod
+    def rotary_components(rotary_emb, device):
+        """What `decode_rotary` needs to compute a step's rotary tables itself; the torch ops take the stock module's."""
+        return None
+
+    @classmethod
+    def decode_rotary(cls, rotary_emb, hidden, positions, components):
+        """The step's rotary tables for M-RoPE `positions` `(3, rows, 1)`, as `rotary` returns them."""
+        return cls.rotary(*rotary_emb(hidden, positions))
+
+    @staticmethod
     def attention_context(attendable, cache_lens, kv_len, dtype):
         """What decode attention needs besides the cache, built once per step: here an additive mask `(rows, 1, 1,
         kv_len)` and each row's cache row (its own).
@@ -291,6 +301,18 @@ if triton is not None:
                 + tl.load(cache_slots + row) * stride_cache_slot + dims)
         tl.store(keys + slot, k)
         tl.store(values + slot, v)
+
+    @triton.jit
+    def _decode_rotary_kernel(positions, stride_component, stride_row, components, inv_freq, scaling, cos, sin,
+                              HEAD_DIM: tl.constexpr):
+        """One row's rotary tables: column j turns by (its T/H/W position component) x inv_freq[j mod D/2], in float32
+        as the stock module computes it, rounded once."""
+        row = tl.program_id(0)
+        dims = tl.arange(0, HEAD_DIM)
+        position = tl.load(positions + tl.load(components + dims) * stride_component + row * stride_row)
+        angle = position.to(tl.float32) * tl.load(inv_freq + dims % (HEAD_DIM // 2))
+        tl.store(cos + row * HEAD_DIM + dims, (tl.cos(angle) * scaling).to(cos.dtype.element_ty))
+        tl.store(sin + row * HEAD_DIM + dims, (tl.sin(angle) * scaling).to(sin.dtype.element_ty))
 
     @triton.jit
     def _decode_attention_kernel(
@@ -663,6 +685,31 @@ class TritonDecodeOps(TorchDecodeOps):
     @staticmethod
     def rotary(cos, sin):
         return cos.reshape(cos.shape[0], -1).contiguous(), sin.reshape(sin.shape[0], -1).contiguous()
+
+    @staticmethod
+    def rotary_components(rotary_emb, device):
+        """Which T/H/W position component turns each rotary column, read off the stock module itself (its layout of
+        the M-RoPE sections is not restated here): with only component c at 1, exactly c's columns have a nonzero
+        sin. None where the module's tables are not a fixed function of the positions (dynamic RoPE types)."""
+        if getattr(rotary_emb, "rope_type", None) != "default":
+            return None
+        probe = torch.eye(3, dtype=torch.long, device=device)[:, :, None]  # row r: component r at 1
+        _, sin = rotary_emb(torch.empty(0, device=device), probe)
+        turned = sin[:, 0] != 0  # (rows = components, D)
+        if not (turned.sum(dim=0) == 1).all():
+            return None
+        return turned.int().argmax(dim=0).to(torch.int32)
+
+    @classmethod
+    def decode_rotary(cls, rotary_emb, hidden, positions, components):
+        # One launch for the dozen small kernels of the stock module.
+        if components is None:
+            return super().decode_rotary(rotary_emb, hidden, positions, components)
+        rows, dim = hidden.shape[0], components.shape[0]
+        cos, sin = torch.empty(2, rows, dim, dtype=hidden.dtype, device=hidden.device)
+        _decode_rotary_kernel[(rows,)](positions, positions.stride(0), positions.stride(1), components,
+                                       rotary_emb.inv_freq, rotary_emb.attention_scaling, cos, sin, HEAD_DIM=dim)
+        return cos, sin
 
     @staticmethod
     def attention_context(attendable, cache_lens, kv_len, dtype):

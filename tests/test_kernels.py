@@ -125,6 +125,26 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rotary_matches_the_stock_module(dtype):
+    """The step's rotary tables from one kernel equal the stock module's (Qwen3-VL-2B's M-RoPE sections), for positions
+    whose T/H/W components differ (image tokens) or agree (text), bitwise on CUDA (the same float32 math)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from qwen3vl_static.presets import real_2b_config
+
+    rotary_emb = Qwen3VLTextRotaryEmbedding(real_2b_config().text_config).to(DEVICE)
+    components = Triton.rotary_components(rotary_emb, torch.device(DEVICE))
+    assert components.tolist()[:6] == [0, 1, 2, 0, 1, 2] and components.tolist()[-4:] == [0, 0, 0, 0]  # interleaved
+    positions = torch.randint(0, 100_000, (3, 5, 1), device=DEVICE)
+    positions[:, 0] = positions[0, 0]
+    hidden = randn(5, 16, dtype=dtype)
+    got = Triton.decode_rotary(rotary_emb, hidden, positions, components)
+    expected = Triton.rotary(*rotary_emb(hidden, positions))
+    for table, reference in zip(got, expected):
+        torch.testing.assert_close(table, reference, **(dict(rtol=0, atol=0) if DEVICE == "cuda" else TOLERANCE[dtype]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_vision_qkv_rope_matches_the_stock_rotary(dtype):
     length, heads, dim = 37, 3, 16
     qkv = randn(length, 3 * heads * dim, dtype=dtype)
