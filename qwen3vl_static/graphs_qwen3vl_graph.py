@@ -228,7 +228,7 @@ class DecodeRunner:
             attn, norm = layer.self_attn, layer.post_attention_layernorm
             qk_norms = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon
             out = ops.decode_attention(
-                ops.linear(x, qkv_weight), attn.config.num_attention_heads, qk_norms, rotary, keys, values, cache_lens,
+                x, qkv_weight, attn.config.num_attention_heads, qk_norms, rotary, keys, values, cache_lens,
                 context, kv_len, attn.scaling,
             )
             hidden, x = ops.linear_add_rms_norm(

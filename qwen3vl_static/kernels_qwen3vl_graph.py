@@ -126,15 +126,22 @@ class TorchDecodeOps:
         return tuple(states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))
 
     @classmethod
-    def decode_attention(cls, qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
-        """Attention of one new token per row from its fused QKV output `(rows, (Hq + 2 Hkv) * D)`: QK-norm (`qk_norms`:
-        q weight, k weight, eps) and rotary embedding, the new K/V written into the row's cache row at slot
-        `cache_lens[row]` (row r's cache row is r), then attention over the first `kv_len` slots; returns `(rows, Hq * D)`.
+    def qkv_norm_rope_write(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots):
+        """The fused QKV projection of `x` `(rows, hidden)`, then `qk_norm_rope_write` (`qk_norms`: q weight, k weight,
+        eps); returns q `(rows, Hq, D)`."""
+        qkv = cls.linear(x, qkv_weight)
+        return cls.qk_norm_rope_write(qkv, heads, *qk_norms, rotary, keys, values, cache_rows, cache_slots)
+
+    @classmethod
+    def decode_attention(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
+        """Attention of one new token per row from the layer's normed input `x`: the QKV projection, QK-norm and rotary
+        embedding, the new K/V written into the row's cache row at slot `cache_lens[row]` (row r's cache row is r),
+        then attention over the first `kv_len` slots; returns `(rows, Hq * D)`.
 
         Grouped-query attention without repeating K/V: the query heads of one KV head form its query rows.
         """
         mask, cache_rows = context
-        q = cls.qk_norm_rope_write(qkv, heads, *qk_norms, rotary, keys, values, cache_rows, cache_lens)
+        q = cls.qkv_norm_rope_write(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_lens)
         rows, kv_heads, head_dim = q.shape[0], keys.shape[1], keys.shape[-1]
         out = F.scaled_dot_product_attention(
             q.reshape(rows, kv_heads, -1, head_dim),
@@ -221,18 +228,26 @@ if triton is not None:
         tl.store(norm_out + row * n_cols + cols, y.to(norm_out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _normed_rotated(base, heads, keep, weight, cos, sin, eps, HEAD_DIM: tl.constexpr):
-        """The heads `heads` (a column of head indices, `keep` masking it) of one token at `base`: RMSNorm of each
-        head, then the rotary embedding (`rotate_half` convention), float32 throughout; `(len(heads), HEAD_DIM)`."""
+    def _norm_rope(x, x_rolled, weight, cos, sin, eps, HEAD_DIM: tl.constexpr):
+        """RMSNorm of each head (a row of `x`, float32) then the rotary embedding (`rotate_half` convention), float32
+        throughout. `x_rolled`: the heads rolled by HEAD_DIM / 2; `cos`, `sin`: the tables' pointers (a row each)."""
         dims = tl.arange(0, HEAD_DIM)[None, :]
         rolled = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half(x) == sign * x.roll(HEAD_DIM / 2)
-        x = tl.load(base + heads * HEAD_DIM + dims, mask=keep, other=0.0).to(tl.float32)
-        x_rolled = tl.load(base + heads * HEAD_DIM + rolled, mask=keep, other=0.0).to(tl.float32)
         rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
         x = x * rstd * tl.load(weight + dims).to(tl.float32)
         x_rolled = x_rolled * rstd * tl.load(weight + rolled).to(tl.float32)
         signed_sin = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0) * tl.load(sin + dims).to(tl.float32)
         return x * tl.load(cos + dims).to(tl.float32) + x_rolled * signed_sin
+
+    @triton.jit
+    def _normed_rotated(base, heads, keep, weight, cos, sin, eps, HEAD_DIM: tl.constexpr):
+        """`_norm_rope` of the heads `heads` (a column of head indices, `keep` masking it) of one token at `base`;
+        `(len(heads), HEAD_DIM)`."""
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
+        x = tl.load(base + heads * HEAD_DIM + dims, mask=keep, other=0.0).to(tl.float32)
+        x_rolled = tl.load(base + heads * HEAD_DIM + rolled, mask=keep, other=0.0).to(tl.float32)
+        return _norm_rope(x, x_rolled, weight, cos, sin, eps, HEAD_DIM)
 
     @triton.jit
     def _group_qkv(qkv, q_weight, k_weight, cos, sin, eps, row, kv_head,
@@ -389,6 +404,27 @@ if triton is not None:
         up = tl.load(gate_up + row * 2 * n_cols + n_cols + cols, mask=keep, other=0.0).to(tl.float32)
         tl.store(out + row * n_cols + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out.dtype.element_ty), mask=keep)
 
+    @triton.jit
+    def _gemv_tile(x, weight, rows, cols, n_cols, k_len, k_start, k_split, stride_x, stride_w,
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr):
+        """`weight[cols] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most ROWS
+        rows: each weight tile is read once, coalesced along K, and serves every row (the narrow side of a `tl.dot`,
+        padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection)."""
+        row_ids = tl.arange(0, ROWS)
+        acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+        up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+        # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
+        for start in range(k_start, k_start + k_split, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            tile = cols[:, None] * stride_w + ks[None, :]
+            live = (cols[:, None] < n_cols) & (ks[None, :] < k_len)
+            x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
+                          other=0.0)
+            acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
+            if UP:
+                up_acc = tl.dot(tl.load(weight + n_cols * stride_w + tile, mask=live, other=0.0), x_t, up_acc)
+        return acc, up_acc
+
     @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
         x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
@@ -396,9 +432,8 @@ if triton is not None:
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
         ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr,
     ):
-        """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range). Each weight tile is read
-        once, coalesced along K, and serves every row: the rows are the narrow side of a `tl.dot` (padded to ROWS,
-        tl.dot's minimum). `out` is y itself, or this K range's float32 partial `(splits, rows, n_cols)`.
+        """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
+        itself, or this K range's float32 partial `(splits, rows, n_cols)`.
 
         SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program also computes the up columns that
         go with its gate columns and stores silu(gate) * up, rounded as the separate ops round (one K range).
@@ -409,18 +444,8 @@ if triton is not None:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
-        acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
-        up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
-        # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
-        for start in range(split * k_split, split * k_split + k_split, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            tile = cols[:, None] * stride_w + ks[None, :]
-            live = (cols[:, None] < n_cols) & (ks[None, :] < k_len)
-            x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
-                          other=0.0)
-            acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
-            if SWIGLU:
-                up_acc = tl.dot(tl.load(weight + n_cols * stride_w + tile, mask=live, other=0.0), x_t, up_acc)
+        acc, up_acc = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
+                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         if SWIGLU:
             gate = acc.to(out.dtype.element_ty).to(tl.float32)
@@ -484,8 +509,8 @@ if triton is not None:
                 parts = row_ids[:, None] * PARTS + tl.arange(0, PARTS)[None, :]
                 values = tl.load(part_value + parts, mask=real[:, None], other=float("-inf"), cache_modifier=".cg")
                 indices = tl.load(part_index + parts, mask=real[:, None], other=0, cache_modifier=".cg")
-                top = tl.max(values, axis=1)
-                token = tl.min(tl.where(values == top[:, None], indices, n_vocab), axis=1).to(tl.int64)
+                row_top = tl.max(values, axis=1)
+                token = tl.min(tl.where(values == row_top[:, None], indices, n_vocab), axis=1).to(tl.int64)
                 tl.store(ticket, 0)  # ready for the next launch
             else:
                 token = tl.load(tokens + row_ids, mask=real, other=0)
@@ -499,6 +524,54 @@ if triton is not None:
             tl.store(out_tokens + row_ids * stride_out_tokens + step, token, mask=real)
             tl.store(out_unfinished + row_ids * stride_out_unfinished + step, live, mask=real)
             tl.store(chunk_step, step + 1)
+
+    @triton.jit(do_not_specialize=["rows", "splits"])
+    def _qkv_norm_rope_write_kernel(
+        x, weight, parts, rows, k_len, k_split, stride_x, stride_w, splits, q_weight, k_weight, cos, sin, eps,
+        q_out, keys, values, cache_rows, cache_slots, stride_cache_row, stride_cache_head, stride_cache_slot, tickets,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        """The fused QKV projection of a few rows then `qk_norm_rope_write`, in one launch: programs as the skinny
+        matmul's store float32 partials; the last program of each head (a ticket per head counts them) sums them,
+        rounds them as the projection's output, norms and rotates q and k, and stores q to `q_out` `(rows, HEADS,
+        D)` and k and v into the cache (row `cache_rows[r]`, slot `cache_slots[r]`)."""
+        n_cols = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        acc, _ = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
+                            ROWS, BLOCK_N, BLOCK_K, False)
+        row_ids = tl.arange(0, ROWS)
+        tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
+        head = tl.program_id(0) * BLOCK_N // HEAD_DIM
+        # The barrier puts this program's stores before the ticket's release; the ticket's acquire puts every other
+        # program's stores before the last program's reads (which bypass L1).
+        tl.debug_barrier()
+        if tl.atomic_add(tickets + head, 1, sem="acq_rel") == HEAD_DIM // BLOCK_N * splits - 1:
+            row = tl.arange(0, ROWS)[:, None]
+            dims = tl.arange(0, HEAD_DIM)[None, :]
+            keep = row < rows
+            y = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+            y_rolled = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+            for part in range(splits):
+                base = parts + (part * rows + row) * n_cols + head * HEAD_DIM
+                y += tl.load(base + dims, mask=keep, other=0.0, cache_modifier=".cg")
+                y_rolled += tl.load(base + (dims + HEAD_DIM // 2) % HEAD_DIM, mask=keep, other=0.0, cache_modifier=".cg")
+            dtype = q_out.dtype.element_ty
+            y, y_rolled = y.to(dtype).to(tl.float32), y_rolled.to(dtype).to(tl.float32)  # the projection's rounding
+            if head < HEADS + KV_HEADS:  # q or k: normed and rotated
+                norm_weight = tl.where(head < HEADS, q_weight, k_weight)
+                table = tl.minimum(row, rows - 1) * HEAD_DIM  # padding rows read a real row's table
+                y = _norm_rope(y, y_rolled, norm_weight, cos + table, sin + table, eps, HEAD_DIM)
+            y = y.to(dtype)
+            if head < HEADS:
+                tl.store(q_out + (row * HEADS + head) * HEAD_DIM + dims, y, mask=keep)
+            else:
+                kv_head = (head - HEADS) % KV_HEADS
+                slot = (tl.load(cache_rows + row, mask=keep, other=0) * stride_cache_row + kv_head * stride_cache_head
+                        + tl.load(cache_slots + row, mask=keep, other=0) * stride_cache_slot + dims)
+                tl.store(tl.where(head < HEADS + KV_HEADS, keys, values) + slot, y, mask=keep)
+            tl.store(tickets + head, 0)  # ready for the next launch
 
     @triton.jit
     def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr):
@@ -522,7 +595,8 @@ class TritonDecodeOps(TorchDecodeOps):
     SPIN_CYCLES = 1_000_000
     choices = {}  # (op, shape description, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
-    tickets = {}  # device -> the counter `ticket` returns
+    tickets = {}  # device -> the counters `ticket` returns
+    TICKETS = 256
 
     @classmethod
     def linear(cls, x, weight, bias=None):
@@ -550,12 +624,52 @@ class TritonDecodeOps(TorchDecodeOps):
         separate = lambda: super(TritonDecodeOps, cls).linear_add_rms_norm(x, weight, bias, hidden, norm_weight, eps)  # noqa: E731
         if bias is not None or not cls.skinny(x, weight):
             return separate()
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-        rule = cls.skinny_config(*weight.shape, sms)
-        configs = dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))])
         fused = [lambda config=config: cls.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps))
-                 for config in configs]
+                 for config in cls.split_configs(weight)]
         return cls.measured("linear_add_rms_norm", cls.matmul_shape(x, weight), x.device, (separate, *fused))
+
+    @classmethod
+    def qkv_norm_rope_write(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots):
+        """The QKV projection then the QK-norm/RoPE/write kernel, or one launch of both (`fused_qkv`, at the rule's
+        split of K or half of it): whichever measured fastest."""
+        separate = lambda: super(TritonDecodeOps, cls).qkv_norm_rope_write(  # noqa: E731
+            x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots)
+        if not cls.skinny(x, qkv_weight):
+            return separate()
+        fused = [lambda config=config: cls.fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows,
+                                                     cache_slots, config)
+                 for config in cls.split_configs(qkv_weight)]
+        return cls.measured("qkv_norm_rope_write", cls.matmul_shape(x, qkv_weight), x.device, (separate, *fused))
+
+    @classmethod
+    def fused_qkv(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots, config):
+        """`qkv_norm_rope_write` in one launch, tiled by `config` (column tiles no wider than a head)."""
+        rows, k = x.shape
+        n, (kv_heads, head_dim) = qkv_weight.shape[0], keys.shape[1::2]
+        block_n = min(config.block_n, head_dim)
+        k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+        splits = triton.cdiv(k, k_split)
+        parts = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+        q = torch.empty(rows, heads, head_dim, dtype=x.dtype, device=x.device)
+        (q_weight, k_weight, eps), (cos, sin) = qk_norms, rotary
+        _qkv_norm_rope_write_kernel[(n // block_n, splits)](
+            x, qkv_weight, parts, rows, k, k_split, x.stride(0), qkv_weight.stride(0), splits, q_weight, k_weight, cos,
+            sin, eps, q, keys, values, cache_rows, cache_slots, keys.stride(0), keys.stride(1), keys.stride(2),
+            cls.ticket(x.device, heads + 2 * kv_heads), ROWS=cls.SKINNY_ROWS, BLOCK_N=block_n, BLOCK_K=config.block_k,
+            HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return q
+
+    @classmethod
+    def split_configs(cls, weight) -> list:
+        """The skinny matmul's rule for `weight` on its device, and the same with half the K split: the tilings a
+        fused epilogue is measured at."""
+        rule = cls.skinny_config(*weight.shape, cls.sm_count(weight.device))
+        return list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
+
+    @staticmethod
+    def sm_count(device) -> int:
+        return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
     @classmethod
     def skinny(cls, x, weight) -> bool:
@@ -648,8 +762,7 @@ class TritonDecodeOps(TorchDecodeOps):
         rows, k = x.shape
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if config is None:
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-            config = cls.skinny_config(n, k, sms, can_split=not swiglu)
+            config = cls.skinny_config(n, k, cls.sm_count(x.device), can_split=not swiglu)
         k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
         splits = triton.cdiv(k, k_split)
         if swiglu and splits > 1:
@@ -675,12 +788,15 @@ class TritonDecodeOps(TorchDecodeOps):
         return out
 
     @classmethod
-    def ticket(cls, device) -> torch.Tensor:
-        """The device's counter of finished programs for kernels whose last program finishes the job. Launches on one
-        stream run in order and each leaves it at zero; created outside graph capture by the first (measuring) run."""
+    def ticket(cls, device, count=1) -> torch.Tensor:
+        """`count` of the device's counters of finished programs, for kernels whose last program (of all, or of each
+        group) finishes the job. Launches on one stream run in order and each leaves them at zero; created outside
+        graph capture by the first (measuring) run."""
+        if count > cls.TICKETS:
+            raise ValueError(f"a launch can use at most {cls.TICKETS} counters, not {count}")
         if device not in cls.tickets:
-            cls.tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return cls.tickets[device]
+            cls.tickets[device] = torch.zeros(cls.TICKETS, dtype=torch.int32, device=device)
+        return cls.tickets[device][:count]
 
     @staticmethod
     def rotary(cos, sin):
@@ -755,17 +871,17 @@ class TritonDecodeOps(TorchDecodeOps):
         return tuple(states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))
 
     @classmethod
-    def decode_attention(cls, qkv, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
-        """QK-norm/RoPE/KV write, then flash-decoding in two launches: chunks, then their merge. (Fusing the first
-        launch into the second, and the merge into the chunks' last programs, timed faster alone on an H200 but made
+    def decode_attention(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
+        """`qkv_norm_rope_write`, then flash-decoding in two launches: chunks, then their merge. (Fusing QK-norm/RoPE/KV
+        write into the chunks' launch, and the merge into their last programs, timed faster alone on an H200 but made
         the whole step slower at every batch size: bench/results/*step-probe.json.)"""
         attendable, cache_rows = context
-        rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
+        rows, kv_heads, head_dim = x.shape[0], keys.shape[1], keys.shape[-1]
         group = heads // kv_heads
-        q = cls.qk_norm_rope_write(qkv, heads, *qk_norms, rotary, keys, values, cache_rows, cache_lens)
+        q = cls.qkv_norm_rope_write(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_lens)
         splits = triton.cdiv(kv_len, cls.CHUNK)
-        part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=qkv.device)
-        part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=qkv.device)
+        part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=x.device)
+        part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=x.device)
         part_sum = torch.empty_like(part_max)
         _decode_attention_kernel[(rows, kv_heads, splits)](
             q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
@@ -773,7 +889,7 @@ class TritonDecodeOps(TorchDecodeOps):
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
             KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
-        out = torch.empty(rows, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+        out = torch.empty(rows, heads * head_dim, dtype=x.dtype, device=x.device)
         _merge_kernel[(rows * heads,)](part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=head_dim,
                                        MERGE_BLOCK=cls.MERGE_BLOCK)
         return out

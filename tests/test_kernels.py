@@ -84,13 +84,42 @@ def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
+def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k):
+    """The QKV projection with QK-norm/RoPE/KV write in its epilogue (each head's last program) against the
+    projection then the reference ops; column tiles of half a head. Only each row's slot is written."""
+    heads, kv_heads, dim, hidden, slots = 4, 2, 32, 96, 20
+    x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
+    qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
+    cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
+    cache_rows, cache_slots = torch.arange(rows, device=DEVICE), torch.tensor([4, 19, 0], device=DEVICE)[:rows]
+    keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
+    values = torch.full_like(keys, float("nan"))
+    k_ref, v_ref = keys.float(), values.float()
+    q_ref = Torch.qkv_norm_rope_write(x.float(), qkv_weight.float(), heads, tuple(w.float() for w in qk_norms[:2]) + qk_norms[2:],
+                                      Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_rows, cache_slots)
+    config = kernels.SkinnyConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
+    with poisoned_empty():
+        q = Triton.fused_qkv(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows, cache_slots,
+                             config)
+    assert_close_at_scale(q, q_ref)
+    written = torch.zeros(rows + 1, slots, dtype=torch.bool, device=DEVICE)
+    written[cache_rows, cache_slots] = True
+    assert keys.transpose(1, 2)[~written].isnan().all() and values.transpose(1, 2)[~written].isnan().all()
+    for got, expected in ((keys, k_ref), (values, v_ref)):
+        assert_close_at_scale(got.transpose(1, 2)[written], expected.transpose(1, 2)[written])
+    assert not Triton.ticket(torch.device(DEVICE), heads + 2 * kv_heads).any()  # back at zero for the next launch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_len", [64, 160])
 def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtype, kv_len):
     """Decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge) against the reference ops. Every
     slot it must not read (unwritten, the new token's own slot included until it is written) or attend to (left
     padding) holds NaN, so using one poisons the output; only each row's new slot may change."""
-    rows, heads, kv_heads, dim, capacity = 3, 4, 2, 32, 160
-    qkv = randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    rows, heads, kv_heads, dim, capacity, hidden = 3, 4, 2, 32, 160, 64
+    x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
     qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
     cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
     cache_lens = torch.tensor([0, 30, kv_len - 1], device=DEVICE)
@@ -108,13 +137,13 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
     # the kernel gets NaN.
     k_ref, v_ref = keys.float(), values.float()
     context = Torch.attention_context(attendable[:rows], cache_lens, kv_len, torch.float32)
-    out_ref = Torch.decode_attention(qkv.float(), heads, tuple(w.float() for w in qk_norms[:2]) + qk_norms[2:],
+    out_ref = Torch.decode_attention(x.float(), qkv_weight.float(), heads, tuple(w.float() for w in qk_norms[:2]) + qk_norms[2:],
                                      Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_lens, context, kv_len,
                                      dim**-0.5)
     k, v = (tensor.clone() for tensor in poisoned)
     context = Triton.attention_context(attendable[:rows], cache_lens, kv_len, dtype)
     with poisoned_empty():  # the partial results and the output
-        out = Triton.decode_attention(qkv, heads, qk_norms, Triton.rotary(cos, sin), k, v, cache_lens, context, kv_len,
+        out = Triton.decode_attention(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), k, v, cache_lens, context, kv_len,
                                       dim**-0.5)
     assert_close_at_scale(out, out_ref)
     new = torch.zeros(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
