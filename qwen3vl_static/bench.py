@@ -204,10 +204,10 @@ def ttft_breakdown(ours, stock, prompts) -> list:
 
 
 KERNEL_CLASSES = {
-    "gemv/gemm": ("gemv", "gemm", "xmma", "cutlass", "nvjet", "splitk", "skinny_matmul", "sum_splits"),
+    "gemv/gemm": ("gemv", "gemm", "xmma", "cutlass", "nvjet", "splitk", "skinny_matmul", "sum_splits", "qkv_norm_rope"),
     "attention": ("attention", "fmha", "flash", "sdpa", "softmax", "merge"),
     "indexing": ("index", "scatter", "gather"),
-    "argmax/sampling": ("argmax", "argmin", "sort", "exponential"),
+    "argmax/sampling": ("argmax", "argmin", "sort", "exponential", "finish_step"),
     "norm/rope/elementwise": ("elementwise", "vectorized", "reduce", "norm", "cat", "copy", "roll", "silu", "gelu"),
 }
 

@@ -259,9 +259,10 @@ The settings below can be changed when loading, e.g.
   sizes.
 - Graphs exist per batch-size bucket and per KV-length bucket; a step attends only to the cache slots of its
   length bucket, not to the whole `static_cache_len`.
-- On CUDA the decode step runs fused Triton kernels (projection + residual add + RMSNorm, QK-norm + RoPE + KV
-  write + flash-decoding attention, gate/up + SwiGLU), each in the form that measured fastest on the device at
-  first use.
+- On CUDA the decode step runs fused Triton kernels (QKV projection + QK-norm + RoPE + KV write, flash-decoding
+  attention, projection + residual add + RMSNorm, gate/up + SwiGLU, the rotary tables, and the step's end: argmax
+  or the drawn token, EOS, padding), each in the form that measured fastest on the device at first use.
+- The host queues the next chunk of decode steps before it reads one, so the GPU does not wait for it.
 - The vision tower keeps each image size's position tables and, on CUDA, replays CUDA graphs: a single image at
   its exact size, several images padded to a patch-count bucket (padding patches are masked out); its patch
   embedding runs as one matrix product, its residual adds are fused with the LayerNorms, and its GELU runs as the
