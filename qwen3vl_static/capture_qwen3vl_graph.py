@@ -6,6 +6,8 @@ in pool memory: each step writes its results into its runner's own static buffer
 """
 
 import time
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 from transformers.utils import logging
@@ -25,23 +27,19 @@ class GraphCapturer:
         restored afterwards, so capturing leaves no trace in a request.
         """
         began = time.perf_counter()
-        saved = [tensor.clone() for tensor in state]
-        rng = torch.cuda.get_rng_state()
-        if self.stream is None:
-            self.stream = torch.cuda.Stream()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            for _ in range(2):
+        with self.restoring(state):
+            if self.stream is None:
+                self.stream = torch.cuda.Stream()
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream().wait_stream(self.stream)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):  # records the step; runs nothing
                 step()
-        torch.cuda.current_stream().wait_stream(self.stream)
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step()
-        torch.cuda.set_rng_state(rng)
         seconds = time.perf_counter() - began
         message = f"Captured the {name} graph in {seconds:.2f} s"
         if seconds > 1:  # the first capture compiles the Triton kernels (Triton caches them on disk)
@@ -49,3 +47,27 @@ class GraphCapturer:
         else:
             logger.info(message)
         return graph
+
+    @staticmethod
+    @contextmanager
+    def restoring(state=()):
+        """Steps run inside leave no trace in a request: the tensors in `state` (what they advance) and the CUDA RNG
+        are restored on the way out."""
+        saved = [tensor.clone() for tensor in state]
+        rng = torch.cuda.get_rng_state()
+        try:
+            yield
+        finally:
+            for tensor, value in zip(state, saved):
+                tensor.copy_(value)
+            torch.cuda.set_rng_state(rng)
+
+    def precompile(self, ops, steps) -> None:
+        """Compile the Triton kernels of the graphs about to be captured, all at once (`ops.precompile`): `steps` are
+        their (step, state) pairs, each run once with its state restored."""
+
+        def run(step, state):
+            with self.restoring(state):
+                step()
+
+        ops.precompile([partial(run, step, state) for step, state in steps])

@@ -245,11 +245,14 @@ class DecodeRunner:
 
     # -- CUDA graphs ---------------------------------------------------------------------------------------
 
-    def capture(self, rows: int, kv_len: int, mode: str) -> torch.cuda.CUDAGraph:
-        """Capture one step; its warm-up runs advance the request state, which the capturer restores."""
+    def graph_step(self, rows: int, kv_len: int, mode: str):
+        """The step a graph captures, and the request state its runs advance (which the capturer restores)."""
         state = [self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step]
+        return lambda: self.step(rows, kv_len, mode), state
+
+    def capture(self, rows: int, kv_len: int, mode: str) -> torch.cuda.CUDAGraph:
         graph = self.capturer.capture(
-            lambda: self.step(rows, kv_len, mode), state, name=f"decode ({rows} rows x {kv_len} cache slots, {mode})"
+            *self.graph_step(rows, kv_len, mode), name=f"decode ({rows} rows x {kv_len} cache slots, {mode})"
         )
         self.graphs[(rows, kv_len, mode)] = graph
         return graph

@@ -10,8 +10,10 @@ The step's matmuls have a few rows, so they are GEMVs bound by reading the weigh
 cuBLAS or a skinny Triton matmul, whichever measured faster on the device for that shape.
 """
 
+import os
 import statistics
 from collections import namedtuple
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,10 @@ class TorchDecodeOps:
         """Per-step rotary tables from `rotary_emb` `(rows, 1, D)`: `rotate_half(x) * sin == x.roll(D/2) * signed_sin`."""
         half = sin.shape[-1] // 2
         return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+    @staticmethod
+    def precompile(calls) -> None:
+        """Compile ahead what `calls` would launch: the torch ops have nothing to compile."""
 
     @staticmethod
     def rotary_components(rotary_emb, device):
@@ -584,6 +590,14 @@ if triton is not None:
         tl.store(out + offsets, total.to(out.dtype.element_ty), mask=keep)
 
 
+def _launch(kernel, grid, *args, **kwargs):
+    """`kernel[grid](*args, **kwargs)`; while `TritonDecodeOps.precompile` runs, only the kernel's compilation."""
+    if TritonDecodeOps.compiling:
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
 class TritonDecodeOps(TorchDecodeOps):
     """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output."""
 
@@ -596,6 +610,7 @@ class TritonDecodeOps(TorchDecodeOps):
     choices = {}  # (op, shape description, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
     tickets = {}  # device -> the counters `ticket` returns
+    compiling = False  # while `precompile` runs: launches only compile
     TICKETS = 256
 
     @classmethod
@@ -652,7 +667,7 @@ class TritonDecodeOps(TorchDecodeOps):
         parts = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
         q = torch.empty(rows, heads, head_dim, dtype=x.dtype, device=x.device)
         (q_weight, k_weight, eps), (cos, sin) = qk_norms, rotary
-        _qkv_norm_rope_write_kernel[(n // block_n, splits)](
+        _launch(_qkv_norm_rope_write_kernel, (n // block_n, splits),
             x, qkv_weight, parts, rows, k, k_split, x.stride(0), qkv_weight.stride(0), splits, q_weight, k_weight, cos,
             sin, eps, q, keys, values, cache_rows, cache_slots, keys.stride(0), keys.stride(1), keys.stride(2),
             cls.ticket(x.device, heads + 2 * kv_heads), ROWS=cls.SKINNY_ROWS, BLOCK_N=block_n, BLOCK_K=config.block_k,
@@ -687,7 +702,9 @@ class TritonDecodeOps(TorchDecodeOps):
         capture. Off CUDA (the interpreter tests) the last (most fused) candidate always runs, so the CPU tests
         take it through the whole decode loop.
         """
-        if device.type != "cuda":
+        if cls.compiling or device.type != "cuda":
+            for candidate in candidates[:-1] if cls.compiling else ():  # each candidate's kernels get compiled
+                candidate()
             return candidates[-1]()
         key = (op, shape, device)
         choice = cls.choices.get(key)
@@ -699,6 +716,25 @@ class TritonDecodeOps(TorchDecodeOps):
             logger.info(f"{op} {shape}: " + ", ".join(f"candidate {index} {us:.1f} us" for index, us in enumerate(times))
                         + f"; using {choice}")
         return candidates[choice]()
+
+    @classmethod
+    def precompile(cls, calls) -> None:
+        """Compile the kernels that `calls` (each runs steps eagerly, no arguments) launch, on a pool of threads,
+        before anything times or captures them: each launch only queues its kernel's compilation (outputs stay
+        unwritten) and each measured op runs all its candidates. Triton releases the GIL for most of a compilation, so
+        this takes a fraction of compiling kernel after kernel at first launch. Where it cannot (a Triton without
+        `AsyncCompileMode`, a failure), kernels compile at first launch as before."""
+        if not hasattr(triton, "AsyncCompileMode"):
+            return
+        cls.compiling = True
+        try:
+            with ThreadPoolExecutor(os.cpu_count() or 1) as pool, triton.AsyncCompileMode(pool):
+                for call in calls:
+                    call()
+        except Exception as error:  # noqa: BLE001 - the kernels still compile at first launch
+            logger.warning(f"Compiling the Triton kernels ahead failed ({error!r}); they compile at first launch instead.")
+        finally:
+            cls.compiling = False
 
     @staticmethod
     def matmul_shape(x, weight) -> str:
@@ -773,7 +809,7 @@ class TritonDecodeOps(TorchDecodeOps):
         hidden, norm_weight, eps = add_rms_norm if fused_norm else (out, out, 0.0)
         sums = torch.empty_like(hidden) if fused_norm else out
         ticket = cls.ticket(x.device) if fused_norm else out
-        _skinny_matmul_kernel[(triton.cdiv(n, config.block_n), splits)](
+        _launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n), splits),
             x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
             hidden, norm_weight, sums, out, eps, ticket, splits,
             ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
@@ -784,7 +820,7 @@ class TritonDecodeOps(TorchDecodeOps):
             return sums, out
         if splits > 1:
             block = 1024
-            _sum_splits_kernel[(triton.cdiv(rows * n, block),)](parts, out, rows * n, splits, BLOCK=block)
+            _launch(_sum_splits_kernel, (triton.cdiv(rows * n, block),), parts, out, rows * n, splits, BLOCK=block)
         return out
 
     @classmethod
@@ -823,7 +859,7 @@ class TritonDecodeOps(TorchDecodeOps):
             return super().decode_rotary(rotary_emb, hidden, positions, components)
         rows, dim = hidden.shape[0], components.shape[0]
         cos, sin = torch.empty(2, rows, dim, dtype=hidden.dtype, device=hidden.device)
-        _decode_rotary_kernel[(rows,)](positions, positions.stride(0), positions.stride(1), components,
+        _launch(_decode_rotary_kernel, (rows,), positions, positions.stride(0), positions.stride(1), components,
                                        rotary_emb.inv_freq, rotary_emb.attention_scaling, cos, sin, HEAD_DIM=dim)
         return cos, sin
 
@@ -836,14 +872,14 @@ class TritonDecodeOps(TorchDecodeOps):
     @staticmethod
     def rms_norm(x, weight, eps):
         out = torch.empty_like(x)
-        _add_rms_norm_kernel[(x.shape[0],)](x, x, weight, x, out, x.shape[1], eps, HAS_DELTA=False,
+        _launch(_add_rms_norm_kernel, (x.shape[0],), x, x, weight, x, out, x.shape[1], eps, HAS_DELTA=False,
                                             BLOCK=triton.next_power_of_2(x.shape[1]))
         return out
 
     @staticmethod
     def add_rms_norm(hidden, delta, weight, eps):
         total, out = torch.empty_like(hidden), torch.empty_like(hidden)
-        _add_rms_norm_kernel[(hidden.shape[0],)](hidden, delta, weight, total, out, hidden.shape[1], eps, HAS_DELTA=True,
+        _launch(_add_rms_norm_kernel, (hidden.shape[0],), hidden, delta, weight, total, out, hidden.shape[1], eps, HAS_DELTA=True,
                                                  BLOCK=triton.next_power_of_2(hidden.shape[1]))
         return total, out
 
@@ -853,7 +889,7 @@ class TritonDecodeOps(TorchDecodeOps):
         q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
         cos, sin = rotary
         group = heads // kv_heads
-        _qk_norm_rope_write_kernel[(rows, kv_heads)](
+        _launch(_qk_norm_rope_write_kernel, (rows, kv_heads),
             qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, eps,
             keys.stride(0), keys.stride(1), keys.stride(2),
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
@@ -864,7 +900,7 @@ class TritonDecodeOps(TorchDecodeOps):
     def vision_qkv_rope(qkv, heads, cos, sin):
         length, head_dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
         q, k, v = torch.empty(3, length, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-        _vision_qkv_rope_kernel[(length,)](
+        _launch(_vision_qkv_rope_kernel, (length,),
             qkv, cos.float().contiguous(), sin.float().contiguous(), q, k, v,
             HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=head_dim,
         )
@@ -883,14 +919,14 @@ class TritonDecodeOps(TorchDecodeOps):
         part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=x.device)
         part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=x.device)
         part_sum = torch.empty_like(part_max)
-        _decode_attention_kernel[(rows, kv_heads, splits)](
+        _launch(_decode_attention_kernel, (rows, kv_heads, splits),
             q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
             KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
         out = torch.empty(rows, heads * head_dim, dtype=x.dtype, device=x.device)
-        _merge_kernel[(rows * heads,)](part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=head_dim,
+        _launch(_merge_kernel, (rows * heads,), part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=head_dim,
                                        MERGE_BLOCK=cls.MERGE_BLOCK)
         return out
 
@@ -901,7 +937,7 @@ class TritonDecodeOps(TorchDecodeOps):
         parts = 64 if greedy else 1  # of the vocabulary per row: the argmax reads it with many SMs
         part_value = torch.empty(rows * parts, dtype=torch.float32, device=logits.device)
         part_index = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
-        _finish_step_kernel[(rows if greedy else 1, parts)](
+        _launch(_finish_step_kernel, (rows if greedy else 1, parts),
             logits, vocab, logits.stride(0), part_value, part_index, logits if greedy else tokens, unfinished, pad_id,
             eos_ids, input_ids, input_ids.stride(0), out_tokens, out_tokens.stride(0), out_unfinished,
             out_unfinished.stride(0), chunk_step, cls.ticket(logits.device), rows, ARGMAX=greedy, PARTS=parts, BLOCK=1024,
@@ -911,7 +947,7 @@ class TritonDecodeOps(TorchDecodeOps):
     @staticmethod
     def add_layer_norm(hidden, delta, weight, bias, eps):
         total, out = torch.empty_like(hidden), torch.empty_like(hidden)
-        _add_layer_norm_kernel[(hidden.shape[0],)](hidden, delta, weight, bias, total, out, hidden.shape[1], eps,
+        _launch(_add_layer_norm_kernel, (hidden.shape[0],), hidden, delta, weight, bias, total, out, hidden.shape[1], eps,
                                                    BLOCK=triton.next_power_of_2(hidden.shape[1]))
         return total, out
 
@@ -928,7 +964,7 @@ class TritonDecodeOps(TorchDecodeOps):
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block)
+        _launch(_silu_mul_kernel, (rows, triton.cdiv(width, block)), gate_up, out, width, BLOCK=block)
         return out
 
 

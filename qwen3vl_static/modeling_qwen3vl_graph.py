@@ -14,7 +14,6 @@ import threading
 import time
 from collections import deque
 from contextlib import nullcontext
-from functools import partial
 
 import torch
 from torch import nn
@@ -197,21 +196,22 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         runner, prefill, vision = self._runner, self._prefill_runner, self.model.visual.runner
         with self._generate_lock, torch.no_grad():
             batch_sizes = batch_sizes or runner.batch_buckets
-            keys = runner.warmup_keys(batch_sizes, cache_lengths or runner.cache_buckets, modes)
-            captures = [partial(runner.capture, *key) for key in keys if key not in runner.graphs]
-            keys = prefill.warmup_keys(batch_sizes, prompt_lengths or prefill.token_buckets)
-            captures += [partial(prefill.capture, *key) for key in keys if prefill.use_graphs and key not in prefill.graphs]
-            keys = vision.warmup_keys(image_patches)
-            captures += [partial(vision.capture, *key) for key in keys if vision.use_graphs and key not in vision.graphs]
+            pending = [(runner, key) for key in runner.warmup_keys(batch_sizes, cache_lengths or runner.cache_buckets, modes)]
+            pending += [(prefill, key) for key in prefill.warmup_keys(batch_sizes, prompt_lengths or prefill.token_buckets)]
+            pending += [(vision, key) for key in vision.warmup_keys(image_patches)]
+            pending = [(owner, key) for owner, key in pending if owner.use_graphs and key not in owner.graphs]
             if not runner.use_graphs:
                 return 0.0
             runner.idle()
             began = time.perf_counter()
-            for capture in tqdm(captures, desc="Capturing CUDA graphs"):
-                capture()
+            # Every kernel these graphs launch, compiled at once on a thread pool rather than one by one as captures
+            # first meet them.
+            runner.capturer.precompile(runner.ops, [owner.graph_step(*key) for owner, key in pending])
+            for owner, key in tqdm(pending, desc="Capturing CUDA graphs"):
+                owner.capture(*key)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - began
-            logger.info(f"Captured {len(captures)} CUDA graphs in {seconds:.2f} s")
+            logger.info(f"Captured {len(pending)} CUDA graphs in {seconds:.2f} s")
             return seconds
 
     def _sample(

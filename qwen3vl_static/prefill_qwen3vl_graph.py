@@ -113,9 +113,13 @@ class PrefillRunner:
             self.visual, self.deepstack, self.last, padded,
         )
 
+    def graph_step(self, rows: int, size: int, padded: bool):
+        """The step a graph captures, and the state its runs advance: none (it writes its outputs only)."""
+        return lambda: self.step(rows, size, padded), ()
+
     def capture(self, rows: int, size: int, padded: bool) -> torch.cuda.CUDAGraph:
         name = f"prefill ({rows} rows x {size} tokens{', padded' if padded else ''})"
-        graph = self.capturer.capture(lambda: self.step(rows, size, padded), name=name)
+        graph = self.capturer.capture(*self.graph_step(rows, size, padded), name=name)
         self.graphs[(rows, size, padded)] = graph
         return graph
 

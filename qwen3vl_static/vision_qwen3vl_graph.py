@@ -256,9 +256,13 @@ class VisionRunner:
         for buffer, features in zip(self.deepstack, deepstack):
             buffer[:rows] = features
 
+    def graph_step(self, patches: int, masked: bool):
+        """The step a graph captures, and the state its runs advance: none (it writes its outputs only)."""
+        return lambda: self.step(patches, masked), ()
+
     def capture(self, patches: int, masked: bool) -> torch.cuda.CUDAGraph:
         graph = self.capturer.capture(
-            lambda: self.step(patches, masked), name=f"vision ({patches} patches{'' if masked else ', one image'})"
+            *self.graph_step(patches, masked), name=f"vision ({patches} patches{'' if masked else ', one image'})"
         )
         self.graphs[(patches, masked)] = graph
         return graph

@@ -314,6 +314,24 @@ def test_linear_measures_outside_graph_capture_only():
     assert key in Triton.choices
 
 
+@pytest.mark.skipif(not hasattr(kernels.triton, "AsyncCompileMode"), reason="needs triton.AsyncCompileMode")
+def test_precompile_compiles_instead_of_running():
+    """While kernels compile ahead, a launch only compiles (the interpreter has nothing to compile) and a measured op
+    runs every candidate; afterwards launches run again."""
+    x, weight = randn(2, 64, dtype=torch.float32), randn(64, dtype=torch.float32)
+    outputs, ran = [], []
+
+    def step():
+        outputs.append(Triton.rms_norm(x, weight, 1e-6))
+        Triton.measured("probe", "2 rows", x.device, (lambda: ran.append("first"), lambda: ran.append("last")))
+
+    with poisoned_empty():
+        Triton.precompile([step])
+    assert outputs[0].isnan().all() and ran == ["first", "last"] and not Triton.compiling
+    assert ("probe", "2 rows", x.device) not in Triton.choices  # nothing was timed
+    torch.testing.assert_close(Triton.rms_norm(x, weight, 1e-6), Torch.rms_norm(x, weight, 1e-6))
+
+
 def test_skinny_config_splits_narrow_matrices_only():
     wide, narrow = Triton.skinny_config(151936, 2048, sms=132), Triton.skinny_config(2048, 6144, sms=132)
     assert wide.split_k == 1 and narrow.split_k > 1
