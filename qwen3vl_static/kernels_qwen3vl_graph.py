@@ -14,6 +14,7 @@ import os
 import statistics
 from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -590,9 +591,13 @@ if triton is not None:
         tl.store(out + offsets, total.to(out.dtype.element_ty), mask=keep)
 
 
+# True while `TritonDecodeOps.precompile` runs its steps (in this thread): launches only compile.
+_COMPILING = ContextVar("qwen3vl_static_compiling", default=False)
+
+
 def _launch(kernel, grid, *args, **kwargs):
     """`kernel[grid](*args, **kwargs)`; while `TritonDecodeOps.precompile` runs, only the kernel's compilation."""
-    if TritonDecodeOps.compiling:
+    if _COMPILING.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
@@ -610,7 +615,6 @@ class TritonDecodeOps(TorchDecodeOps):
     choices = {}  # (op, shape description, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
     tickets = {}  # device -> the counters `ticket` returns
-    compiling = False  # while `precompile` runs: launches only compile
     TICKETS = 256
 
     @classmethod
@@ -702,8 +706,9 @@ class TritonDecodeOps(TorchDecodeOps):
         capture. Off CUDA (the interpreter tests) the last (most fused) candidate always runs, so the CPU tests
         take it through the whole decode loop.
         """
-        if cls.compiling or device.type != "cuda":
-            for candidate in candidates[:-1] if cls.compiling else ():  # each candidate's kernels get compiled
+        compiling = _COMPILING.get()
+        if compiling or device.type != "cuda":
+            for candidate in candidates[:-1] if compiling else ():  # each candidate's kernels get compiled
                 candidate()
             return candidates[-1]()
         key = (op, shape, device)
@@ -726,7 +731,7 @@ class TritonDecodeOps(TorchDecodeOps):
         `AsyncCompileMode`, a failure), kernels compile at first launch as before."""
         if not hasattr(triton, "AsyncCompileMode"):
             return
-        cls.compiling = True
+        compiling = _COMPILING.set(True)
         try:
             with ThreadPoolExecutor(os.cpu_count() or 1) as pool, triton.AsyncCompileMode(pool):
                 for call in calls:
@@ -734,7 +739,7 @@ class TritonDecodeOps(TorchDecodeOps):
         except Exception as error:  # noqa: BLE001 - the kernels still compile at first launch
             logger.warning(f"Compiling the Triton kernels ahead failed ({error!r}); they compile at first launch instead.")
         finally:
-            cls.compiling = False
+            _COMPILING.reset(compiling)
 
     @staticmethod
     def matmul_shape(x, weight) -> str:

@@ -327,7 +327,7 @@ def test_precompile_compiles_instead_of_running():
 
     with poisoned_empty():
         Triton.precompile([step])
-    assert outputs[0].isnan().all() and ran == ["first", "last"] and not Triton.compiling
+    assert outputs[0].isnan().all() and ran == ["first", "last"]
     assert ("probe", "2 rows", x.device) not in Triton.choices  # nothing was timed
     torch.testing.assert_close(Triton.rms_norm(x, weight, 1e-6), Torch.rms_norm(x, weight, 1e-6))
 
