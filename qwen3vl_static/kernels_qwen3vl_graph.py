@@ -727,8 +727,8 @@ class TritonDecodeOps(TorchDecodeOps):
         """Compile the kernels that `calls` (each runs steps eagerly, no arguments) launch, on a pool of threads,
         before anything times or captures them: each launch only queues its kernel's compilation (outputs stay
         unwritten) and each measured op runs all its candidates. Triton releases the GIL for most of a compilation, so
-        this takes a fraction of compiling kernel after kernel at first launch. Where it cannot (a Triton without
-        `AsyncCompileMode`, a failure), kernels compile at first launch as before."""
+        this takes a fraction of compiling kernel after kernel at first launch. Where it cannot (a Triton before 3.4, without
+        `AsyncCompileMode`; a failure), kernels compile at first launch as before."""
         if not hasattr(triton, "AsyncCompileMode"):
             return
         compiling = _COMPILING.set(True)
