@@ -61,6 +61,7 @@ class DecodeRunner:
         self.input_ids = zeros(rows, 1)
         self.positions = zeros(3, rows, 1)
         self.cache_lens = zeros(rows)
+        self.row_ids = torch.arange(rows, device=device)  # each row writes its own cache row
         self.attendable = torch.ones(rows, slots, dtype=torch.bool, device=device)
         self.logits = zeros(rows, vocab, dtype=torch.float32)
         self.temperature = torch.ones(rows, device=device)
@@ -217,7 +218,7 @@ class DecodeRunner:
         ids, positions, cache_lens = self.input_ids[:rows], self.positions[:, :rows], self.cache_lens[:rows]
         hidden = text.embed_tokens(ids)[:, 0]
         rotary = ops.decode_rotary(text.rotary_emb, hidden, positions, self.rotary_components)  # shared by all layers
-        context = ops.attention_context(self.attendable[:rows], cache_lens, kv_len, hidden.dtype)
+        context = ops.attention_context(self.attendable[:rows], self.row_ids[:rows], cache_lens, kv_len, hidden.dtype)
         # Each projection into the residual stream comes with the add and the RMSNorm that follow it (the
         # post-attention norm, the next layer's input norm or the final one).
         norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]

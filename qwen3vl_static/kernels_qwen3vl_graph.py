@@ -76,9 +76,9 @@ class TorchDecodeOps:
         return cls.rotary(*rotary_emb(hidden, positions))
 
     @staticmethod
-    def attention_context(attendable, cache_lens, kv_len, dtype):
+    def attention_context(attendable, cache_rows, cache_lens, kv_len, dtype):
         """What decode attention needs besides the cache, built once per step: here an additive mask `(rows, 1, 1,
-        kv_len)` and each row's cache row (its own).
+        kv_len)`, and each row's cache row `cache_rows` (the runner's static `arange`) for the KV write.
 
         A slot is read only if it is written (slot <= the row's length, the current token included) and is not
         left padding: never an unwritten or stale slot.
@@ -86,7 +86,7 @@ class TorchDecodeOps:
         slots = torch.arange(kv_len, device=cache_lens.device)
         readable = attendable[:, :kv_len] & (slots <= cache_lens[:, None])
         mask = torch.zeros(readable.shape, dtype=dtype, device=readable.device)
-        return mask.masked_fill(~readable, float("-inf"))[:, None, None, :], torch.arange(len(cache_lens), device=cache_lens.device)
+        return mask.masked_fill(~readable, float("-inf"))[:, None, None, :], cache_rows
 
     @staticmethod
     def rms_norm(x, weight, eps):
@@ -869,10 +869,9 @@ class TritonDecodeOps(TorchDecodeOps):
         return cos, sin
 
     @staticmethod
-    def attention_context(attendable, cache_lens, kv_len, dtype):
-        # The attendable slots as they are (the kernel bounds each row by its length), and each row's cache row (its
-        # own) for the KV write.
-        return attendable, torch.arange(len(cache_lens), device=cache_lens.device)
+    def attention_context(attendable, cache_rows, cache_lens, kv_len, dtype):
+        # The attendable slots as they are (the kernel bounds each row by its length).
+        return attendable, cache_rows
 
     @staticmethod
     def rms_norm(x, weight, eps):

@@ -136,12 +136,12 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
     # The reference runs in float32 and masks with -inf scores; as 0 * NaN is NaN, it gets the random values where
     # the kernel gets NaN.
     k_ref, v_ref = keys.float(), values.float()
-    context = Torch.attention_context(attendable[:rows], cache_lens, kv_len, torch.float32)
+    context = Torch.attention_context(attendable[:rows], torch.arange(rows, device=DEVICE), cache_lens, kv_len, torch.float32)
     out_ref = Torch.decode_attention(x.float(), qkv_weight.float(), heads, tuple(w.float() for w in qk_norms[:2]) + qk_norms[2:],
                                      Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_lens, context, kv_len,
                                      dim**-0.5)
     k, v = (tensor.clone() for tensor in poisoned)
-    context = Triton.attention_context(attendable[:rows], cache_lens, kv_len, dtype)
+    context = Triton.attention_context(attendable[:rows], torch.arange(rows, device=DEVICE), cache_lens, kv_len, dtype)
     with poisoned_empty():  # the partial results and the output
         out = Triton.decode_attention(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), k, v, cache_lens, context, kv_len,
                                       dim**-0.5)
