@@ -257,20 +257,6 @@ if triton is not None:
         return _norm_rope(x, x_rolled, weight, cos, sin, eps, HEAD_DIM)
 
     @triton.jit
-    def _group_qkv(qkv, q_weight, k_weight, cos, sin, eps, row, kv_head,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """One token's query heads of one KV head `(GROUP_PAD, D)` and that head's key and value `(1, D)`, from the
-        fused QKV output: q and k normed and rotated, each rounded once to the storage dtype."""
-        base = qkv + row * (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM
-        group = tl.arange(0, GROUP_PAD)[:, None]
-        one = tl.arange(0, 1)[:, None]
-        dtype = qkv.dtype.element_ty
-        q = _normed_rotated(base, kv_head * GROUP + group, group < GROUP, q_weight, cos, sin, eps, HEAD_DIM)
-        k = _normed_rotated(base, KV_HEADS * GROUP + kv_head + one, one == 0, k_weight, cos, sin, eps, HEAD_DIM)
-        v = tl.load(base + (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
-        return q.to(dtype), k.to(dtype), v
-
-    @triton.jit
     def _rope_store(
         source, out, stride_out_head, c1, c2, s1, s2, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
     ):
@@ -311,17 +297,23 @@ if triton is not None:
         stride_cache_row, stride_cache_head, stride_cache_slot,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
-        """One (token, KV head) per program: its query heads to `q_out`, its key and value into the cache."""
+        """One (token, KV head) per program: its query heads, normed and rotated, to `q_out`; its key, normed and
+        rotated, and its value into the cache. q and k are rounded once to the storage dtype."""
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
-        q, k, v = _group_qkv(qkv, q_weight, k_weight, cos + row * HEAD_DIM, sin + row * HEAD_DIM, eps, row, kv_head,
-                             GROUP, GROUP_PAD, KV_HEADS, HEAD_DIM)
+        base = qkv + row * (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM
+        cos, sin = cos + row * HEAD_DIM, sin + row * HEAD_DIM
         group = tl.arange(0, GROUP_PAD)[:, None]
+        one = tl.arange(0, 1)[:, None]
         dims = tl.arange(0, HEAD_DIM)[None, :]
-        tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q, mask=group < GROUP)
+        q = _normed_rotated(base, kv_head * GROUP + group, group < GROUP, q_weight, cos, sin, eps, HEAD_DIM)
+        k = _normed_rotated(base, KV_HEADS * GROUP + kv_head + one, one == 0, k_weight, cos, sin, eps, HEAD_DIM)
+        v = tl.load(base + (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + dims)
+        dtype = q_out.dtype.element_ty
+        tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q.to(dtype), mask=group < GROUP)
         slot = (tl.load(cache_rows + row) * stride_cache_row + kv_head * stride_cache_head
                 + tl.load(cache_slots + row) * stride_cache_slot + dims)
-        tl.store(keys + slot, k)
+        tl.store(keys + slot, k.to(dtype))
         tl.store(values + slot, v)
 
     @triton.jit
@@ -706,10 +698,11 @@ class TritonDecodeOps(TorchDecodeOps):
         capture. Off CUDA (the interpreter tests) the last (most fused) candidate always runs, so the CPU tests
         take it through the whole decode loop.
         """
-        compiling = _COMPILING.get()
-        if compiling or device.type != "cuda":
-            for candidate in candidates[:-1] if compiling else ():  # each candidate's kernels get compiled
+        if _COMPILING.get():  # compiling ahead: every candidate's kernels, none timed
+            for candidate in candidates[:-1]:
                 candidate()
+            return candidates[-1]()
+        if device.type != "cuda":
             return candidates[-1]()
         key = (op, shape, device)
         choice = cls.choices.get(key)
@@ -727,8 +720,8 @@ class TritonDecodeOps(TorchDecodeOps):
         """Compile the kernels that `calls` (each runs steps eagerly, no arguments) launch, on a pool of threads,
         before anything times or captures them: each launch only queues its kernel's compilation (outputs stay
         unwritten) and each measured op runs all its candidates. Triton releases the GIL for most of a compilation, so
-        this takes a fraction of compiling kernel after kernel at first launch. Where it cannot (a Triton before 3.4, without
-        `AsyncCompileMode`; a failure), kernels compile at first launch as before."""
+        this takes a fraction of compiling kernel after kernel at first launch. Where it cannot (a Triton before 3.4,
+        without `AsyncCompileMode`; a failure), kernels compile at first launch as before."""
         if not hasattr(triton, "AsyncCompileMode"):
             return
         compiling = _COMPILING.set(True)
@@ -865,7 +858,7 @@ class TritonDecodeOps(TorchDecodeOps):
         rows, dim = hidden.shape[0], components.shape[0]
         cos, sin = torch.empty(2, rows, dim, dtype=hidden.dtype, device=hidden.device)
         _launch(_decode_rotary_kernel, (rows,), positions, positions.stride(0), positions.stride(1), components,
-                                       rotary_emb.inv_freq, rotary_emb.attention_scaling, cos, sin, HEAD_DIM=dim)
+                rotary_emb.inv_freq, rotary_emb.attention_scaling, cos, sin, HEAD_DIM=dim)
         return cos, sin
 
     @staticmethod
@@ -877,14 +870,14 @@ class TritonDecodeOps(TorchDecodeOps):
     def rms_norm(x, weight, eps):
         out = torch.empty_like(x)
         _launch(_add_rms_norm_kernel, (x.shape[0],), x, x, weight, x, out, x.shape[1], eps, HAS_DELTA=False,
-                                            BLOCK=triton.next_power_of_2(x.shape[1]))
+                BLOCK=triton.next_power_of_2(x.shape[1]))
         return out
 
     @staticmethod
     def add_rms_norm(hidden, delta, weight, eps):
         total, out = torch.empty_like(hidden), torch.empty_like(hidden)
-        _launch(_add_rms_norm_kernel, (hidden.shape[0],), hidden, delta, weight, total, out, hidden.shape[1], eps, HAS_DELTA=True,
-                                                 BLOCK=triton.next_power_of_2(hidden.shape[1]))
+        _launch(_add_rms_norm_kernel, (hidden.shape[0],), hidden, delta, weight, total, out, hidden.shape[1], eps,
+                HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden.shape[1]))
         return total, out
 
     @staticmethod
@@ -930,8 +923,8 @@ class TritonDecodeOps(TorchDecodeOps):
             KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
         out = torch.empty(rows, heads * head_dim, dtype=x.dtype, device=x.device)
-        _launch(_merge_kernel, (rows * heads,), part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=head_dim,
-                                       MERGE_BLOCK=cls.MERGE_BLOCK)
+        _launch(_merge_kernel, (rows * heads,), part_out, part_max, part_sum, out, splits, GROUP=group,
+                HEAD_DIM=head_dim, MERGE_BLOCK=cls.MERGE_BLOCK)
         return out
 
     @classmethod
@@ -951,8 +944,8 @@ class TritonDecodeOps(TorchDecodeOps):
     @staticmethod
     def add_layer_norm(hidden, delta, weight, bias, eps):
         total, out = torch.empty_like(hidden), torch.empty_like(hidden)
-        _launch(_add_layer_norm_kernel, (hidden.shape[0],), hidden, delta, weight, bias, total, out, hidden.shape[1], eps,
-                                                   BLOCK=triton.next_power_of_2(hidden.shape[1]))
+        _launch(_add_layer_norm_kernel, (hidden.shape[0],), hidden, delta, weight, bias, total, out, hidden.shape[1],
+                eps, BLOCK=triton.next_power_of_2(hidden.shape[1]))
         return total, out
 
     @staticmethod
