@@ -288,11 +288,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             # the host. When every row finishes, the chunk already queued is computed and dropped.
             chunks, queued = deque(), 0
             while queued < remaining or chunks:
-                if queued < remaining and len(chunks) < 2:
+                while queued < remaining and len(chunks) < 2:
                     steps = min(runner.steps_per_sync, remaining - queued)
                     chunks.append((steps, runner.issue(steps, plan["mode"])))
                     queued += steps
-                    continue
                 steps, handle = chunks.popleft()
                 chunk, alive = runner.collect(handle)
                 all_done = (~alive.any(dim=0)).nonzero()
