@@ -33,9 +33,9 @@ logger = logging.get_logger(__name__)
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
 SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages")
 # The persistent MLP's tiling: gate/up items of `block_a` columns (`block_ka` inputs per step), down items of `block_b`
-# columns x one of at most `ranges` K ranges (`block_kb` per step), `per_sm` programs per SM (at most what fits).
-MlpConfig = namedtuple("MlpConfig", "block_a block_ka block_b block_kb ranges per_sm num_warps num_stages",
-                       defaults=(16, 256, 64, 128, 8, 1, 4, 4))
+# columns x one of at most `ranges` K ranges (`block_kb` per step), on `programs` programs (None: one per SM).
+MlpConfig = namedtuple("MlpConfig", "block_a block_ka block_b block_kb ranges programs num_warps num_stages",
+                       defaults=(16, 256, 64, 128, 8, None, 4, 4))
 
 
 def fuse_weights(linears) -> torch.Tensor:
@@ -699,7 +699,6 @@ class TritonDecodeOps(TorchDecodeOps):
     choices = {}  # (op, shape description, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
     tickets = {}  # device -> the counters `ticket` returns
-    resident = {}  # (MlpConfig, device) -> programs of the persistent MLP per SM
     TICKETS = 256
 
     @classmethod
@@ -757,36 +756,17 @@ class TritonDecodeOps(TorchDecodeOps):
         parts = torch.empty(ranges, rows, n, dtype=torch.float32, device=x.device)
         square_sums = torch.empty(tiles, cls.SKINNY_ROWS, dtype=torch.float32, device=x.device)
         sums, out = torch.empty_like(hidden), torch.empty_like(hidden)
-        args = (x, gate_up_weight, act, down_weight, parts, hidden, norm_weight, sums, out, square_sums, counters, rows,
-                k, inter, n, range_len, x.stride(0), gate_up_weight.stride(0), down_weight.stride(0), eps)
-        meta = dict(ROWS=cls.SKINNY_ROWS, BLOCK_A=config.block_a, BLOCK_KA=config.block_ka, BLOCK_B=config.block_b,
-                    BLOCK_KB=config.block_kb, RANGES=ranges, TILES_PAD=triton.next_power_of_2(tiles),
-                    BLOCK_ROW=triton.next_power_of_2(n), num_warps=config.num_warps, num_stages=config.num_stages)
-        if x.is_cuda:
-            _launch(_mlp_kernel, (cls.resident_programs(config, x.device, args, meta),), *args, PHASE=0, **meta)
-        else:  # the interpreter runs programs one after another, so there the halves run in turn
-            for phase in (1, 2):
-                _launch(_mlp_kernel, (config.per_sm,), *args, PHASE=phase, **meta)
+        programs = config.programs or cls.sm_count(x.device)
+        # One launch on the GPU; the interpreter (CPU) runs programs in turn, so there the halves run one by one.
+        for phase in (0,) if x.is_cuda else (1, 2):
+            _launch(_mlp_kernel, (programs,),
+                x, gate_up_weight, act, down_weight, parts, hidden, norm_weight, sums, out, square_sums, counters, rows,
+                k, inter, n, range_len, x.stride(0), gate_up_weight.stride(0), down_weight.stride(0), eps,
+                PHASE=phase, ROWS=cls.SKINNY_ROWS, BLOCK_A=config.block_a, BLOCK_KA=config.block_ka,
+                BLOCK_B=config.block_b, BLOCK_KB=config.block_kb, RANGES=ranges, TILES_PAD=triton.next_power_of_2(tiles),
+                BLOCK_ROW=triton.next_power_of_2(n), num_warps=config.num_warps, num_stages=config.num_stages,
+            )
         return sums, out
-
-    @classmethod
-    def resident_programs(cls, config, device, args, meta) -> int:
-        """`config.per_sm` programs of `_mlp_kernel` per SM, or as many as an SM holds at once (registers, shared
-        memory, threads): a program waits for others, so every program must be resident from the start."""
-        if _COMPILING.get():
-            return 1
-        key = (config, device)
-        if key not in cls.resident:
-            compiled = _mlp_kernel.warmup(*args, grid=(1,), PHASE=0, **meta)
-            compiled._init_handles()
-            properties = torch.cuda.get_device_properties(device)
-            threads = config.num_warps * 32
-            registers = getattr(properties, "regs_per_multiprocessor", 0)  # not in every torch build: then one
-            fits = min(properties.max_threads_per_multi_processor // threads,
-                       registers // max(1, compiled.n_regs * threads),
-                       properties.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024))  # 1 KiB reserved
-            cls.resident[key] = max(1, min(config.per_sm, fits))
-        return cls.resident[key] * cls.sm_count(device)
 
     @classmethod
     def qkv_norm_rope_write(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots):

@@ -251,11 +251,11 @@ def test_linear_add_rms_norm_fused_and_chosen(dtype, rows, split_k):
 @pytest.mark.parametrize("rows", [1, 5])
 def test_persistent_mlp_and_chosen(dtype, rows):
     """The persistent MLP kernel (gate/up + SwiGLU, then down with the add and RMSNorm, one launch) equals the separate
-    ops: three programs (per SM, on the CPU one SM) share items unevenly, the last K range is short, N and the intermediate size are not multiples
+    ops: three programs share items unevenly, the last K range is short, N and the intermediate size are not multiples
     of the tiles; every counter is back at zero afterwards."""
     x, gate_up_weight, down_weight = randn(rows, 200, dtype=dtype), randn(2 * 200, 200, dtype=dtype), randn(100, 200, dtype=dtype)
     hidden, norm_weight = randn(rows, 100, dtype=dtype), randn(100, dtype=dtype)
-    config = kernels.MlpConfig(block_a=16, block_ka=64, block_b=32, block_kb=32, ranges=3, per_sm=3, num_stages=2)
+    config = kernels.MlpConfig(block_a=16, block_ka=64, block_b=32, block_kb=32, ranges=3, programs=3, num_stages=2)
     with poisoned_empty():  # the activations, the partials, the squares, the sum and the normed output
         total, normed = Triton.persistent_mlp(x, gate_up_weight, down_weight, hidden, norm_weight, 1e-6, config)
     expected = Torch.mlp_add_rms_norm(x.float(), gate_up_weight.float(), down_weight.float(), None, hidden.float(),
