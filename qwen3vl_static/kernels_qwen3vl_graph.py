@@ -417,11 +417,11 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(x, weight, rows, cols, n_cols, k_len, k_start, k_split, stride_x, stride_w,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr,
-                   X_CACHE: tl.constexpr):
+                   X_CACHE: tl.constexpr = ""):
         """`weight[cols] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most ROWS
         rows: each weight tile is read once, coalesced along K, and serves every row (the narrow side of a `tl.dot`,
         padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection). X_CACHE:
-        the cache modifier of x's loads ("", or ".cg" where other programs of the launch wrote x)."""
+        the cache modifier of x's loads (".cg" where other programs of the launch wrote x)."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
@@ -457,7 +457,7 @@ if triton is not None:
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
         acc, up_acc = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU, "")
+                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         if SWIGLU:
             gate = acc.to(out.dtype.element_ty).to(tl.float32)
@@ -510,7 +510,7 @@ if triton is not None:
             for item in range(tl.program_id(0), tl.cdiv(inter, BLOCK_A), programs):
                 cols = item * BLOCK_A + tl.arange(0, BLOCK_A)
                 gate, up = _gemv_tile(x, gate_up, rows, cols, inter, k_len, 0, k_len, stride_x, stride_gate_up,
-                                      ROWS, BLOCK_A, BLOCK_KA, True, "")
+                                      ROWS, BLOCK_A, BLOCK_KA, True)
                 gate = gate.to(dtype).to(tl.float32)  # rounded as the separate ops round
                 swiglu = gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
                 tl.store(act + row_ids[None, :] * inter + cols[:, None], swiglu.to(dtype), mask=real & (cols[:, None] < inter))
@@ -631,7 +631,7 @@ if triton is not None:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         acc, _ = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                            ROWS, BLOCK_N, BLOCK_K, False, "")
+                            ROWS, BLOCK_N, BLOCK_K, False)
         row_ids = tl.arange(0, ROWS)
         tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
         head = tl.program_id(0) * BLOCK_N // HEAD_DIM
