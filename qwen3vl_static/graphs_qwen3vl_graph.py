@@ -235,8 +235,8 @@ class DecodeRunner:
             hidden, x = ops.linear_add_rms_norm(
                 out, attn.o_proj.weight, attn.o_proj.bias, hidden, norm.weight, norm.variance_epsilon
             )
-            hidden, x = ops.mlp_add_rms_norm(
-                x, gate_up_weight, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, hidden, next_norm.weight,
+            hidden, x = ops.linear_add_rms_norm(
+                ops.linear_swiglu(x, gate_up_weight), layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, hidden, next_norm.weight,
                 next_norm.variance_epsilon,
             )
         logits = ops.linear(x, self.model.lm_head.weight)

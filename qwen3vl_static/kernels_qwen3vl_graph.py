@@ -10,7 +10,6 @@ The step's matmuls have a few rows, so they are GEMVs bound by reading the weigh
 cuBLAS or a skinny Triton matmul, whichever measured faster on the device for that shape.
 """
 
-import math
 import os
 import statistics
 from collections import namedtuple
@@ -32,10 +31,6 @@ logger = logging.get_logger(__name__)
 
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
 SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages")
-# The persistent MLP's tiling: gate/up items of `block_a` columns (`block_ka` inputs per step), down items of `block_b`
-# columns x one of at most `ranges` K ranges (`block_kb` per step), on `programs` programs (None: one per SM).
-MlpConfig = namedtuple("MlpConfig", "block_a block_ka block_b block_kb ranges programs num_warps num_stages",
-                       defaults=(16, 256, 64, 128, 8, None, 4, 4))
 
 
 def fuse_weights(linears) -> torch.Tensor:
@@ -109,12 +104,6 @@ class TorchDecodeOps:
         """A projection into the residual stream, then the add and the RMSNorm that follow it: returns
         `add_rms_norm(hidden, linear(x, weight, bias), norm_weight, eps)`."""
         return cls.add_rms_norm(hidden, cls.linear(x, weight, bias), norm_weight, eps)
-
-    @classmethod
-    def mlp_add_rms_norm(cls, x, gate_up_weight, down_weight, bias, hidden, norm_weight, eps):
-        """The MLP (the fused gate/up projection, SwiGLU, the down projection with `bias`) into the residual stream,
-        then the add and the RMSNorm that follow it: returns (sum, normed sum)."""
-        return cls.linear_add_rms_norm(cls.linear_swiglu(x, gate_up_weight), down_weight, bias, hidden, norm_weight, eps)
 
     @staticmethod
     def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots):
@@ -416,12 +405,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_tile(x, weight, rows, cols, n_cols, k_len, k_start, k_split, stride_x, stride_w,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr,
-                   X_CACHE: tl.constexpr = ""):
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr):
         """`weight[cols] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most ROWS
         rows: each weight tile is read once, coalesced along K, and serves every row (the narrow side of a `tl.dot`,
-        padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection). X_CACHE:
-        the cache modifier of x's loads (".cg" where other programs of the launch wrote x)."""
+        padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection)."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
@@ -431,7 +418,7 @@ if triton is not None:
             tile = cols[:, None] * stride_w + ks[None, :]
             live = (cols[:, None] < n_cols) & (ks[None, :] < k_len)
             x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
-                          other=0.0, cache_modifier=X_CACHE)
+                          other=0.0)
             acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
             if UP:
                 up_acc = tl.dot(tl.load(weight + n_cols * stride_w + tile, mask=live, other=0.0), x_t, up_acc)
@@ -481,85 +468,6 @@ if triton is not None:
                     tl.store(sum_out + row * n_cols + row_cols, h, mask=row_keep)
                     _store_rms_norm(h, row_cols, row_keep, norm_weight, norm_out + row * n_cols, n_cols, eps)
                 tl.store(ticket, 0)  # ready for the next launch
-
-    @triton.jit(do_not_specialize=["rows"])
-    def _mlp_kernel(
-        x, gate_up, act, down, parts, hidden, norm_weight, sum_out, norm_out, square_sums, counters, rows, k_len,
-        inter, n_cols, range_len, stride_x, stride_gate_up, stride_down, eps,
-        PHASE: tl.constexpr, ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_KA: tl.constexpr, BLOCK_B: tl.constexpr,
-        BLOCK_KB: tl.constexpr, RANGES: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_ROW: tl.constexpr,
-    ):
-        """The whole MLP of a few rows and the add and RMSNorm after it, in one persistent launch (a program per SM):
-        `add_rms_norm(hidden, down @ swiglu(gate_up @ x), norm_weight, eps)`, with no kernel boundary between the two
-        projections, whose ramps and tails are what a GEMV of a few megabytes mostly costs.
-
-        Each program first takes every P-th gate/up column tile (BLOCK_A gate columns and their up columns, whole K,
-        SwiGLU epilogue into `act`), counting each into its K range of `down` (`counters[r]`); then every P-th down
-        item (BLOCK_B columns x one of RANGES K ranges of `range_len`), which waits until its range of `act` is
-        complete, so the down projection starts where gate/up is done, not where it ends. Items run in index order
-        in every program, and every program is resident (one per SM), so each wait ends. Each down item stores
-        float32 partials; the last of a column tile (`counters[RANGES + tile]`) sums them, adds the residual, and
-        stores the sum and its squares' row sums; the last tile (`counters[RANGES + tiles]`) norms every row.
-        PHASE 1 / 2 run only the gate/up / down half: the interpreter runs programs one after another, so the CPU
-        launches the halves in turn (each wait then ends at once)."""
-        programs = tl.num_programs(0)
-        row_ids = tl.arange(0, ROWS)
-        real = row_ids[None, :] < rows
-        dtype = act.dtype.element_ty
-        if PHASE != 2:
-            for item in range(tl.program_id(0), tl.cdiv(inter, BLOCK_A), programs):
-                cols = item * BLOCK_A + tl.arange(0, BLOCK_A)
-                gate, up = _gemv_tile(x, gate_up, rows, cols, inter, k_len, 0, k_len, stride_x, stride_gate_up,
-                                      ROWS, BLOCK_A, BLOCK_KA, True)
-                gate = gate.to(dtype).to(tl.float32)  # rounded as the separate ops round
-                swiglu = gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
-                tl.store(act + row_ids[None, :] * inter + cols[:, None], swiglu.to(dtype), mask=real & (cols[:, None] < inter))
-                # The barrier puts the program's stores before the count's release (as for every count below).
-                tl.debug_barrier()
-                tl.atomic_add(counters + item * BLOCK_A // range_len, 1, sem="release")
-        if PHASE != 1:
-            tiles = tl.cdiv(n_cols, BLOCK_B)
-            for item in range(tl.program_id(0), tiles * RANGES, programs):
-                k_range, tile = item // tiles, item % tiles
-                k_start = k_range * range_len
-                needed = tl.cdiv(tl.minimum(range_len, inter - k_start), BLOCK_A)
-                ready = tl.atomic_add(counters + k_range, 0, sem="acquire")
-                while ready < needed:
-                    ready = tl.atomic_add(counters + k_range, 0, sem="acquire")
-                cols = tile * BLOCK_B + tl.arange(0, BLOCK_B)
-                acc, _ = _gemv_tile(act, down, rows, cols, n_cols, inter, k_start, range_len, inter, stride_down,
-                                    ROWS, BLOCK_B, BLOCK_KB, False, ".cg")
-                keep = real & (cols[:, None] < n_cols)
-                tl.store(parts + (k_range * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=keep)
-                tl.debug_barrier()
-                if tl.atomic_add(counters + RANGES + tile, 1, sem="acq_rel") == RANGES - 1:
-                    y = tl.zeros((BLOCK_B, ROWS), tl.float32)
-                    for part in range(RANGES):
-                        y += tl.load(parts + (part * rows + row_ids[None, :]) * n_cols + cols[:, None], mask=keep,
-                                     other=0.0, cache_modifier=".cg")
-                    at = row_ids[None, :] * n_cols + cols[:, None]
-                    h = tl.load(hidden + at, mask=keep, other=0.0)
-                    h = (h.to(tl.float32) + y.to(h.dtype).to(tl.float32)).to(h.dtype)  # as `hidden + y` rounds
-                    tl.store(sum_out + at, h, mask=keep)
-                    h = h.to(tl.float32)
-                    tl.store(square_sums + tile * ROWS + row_ids, tl.sum(h * h, axis=0))
-                    tl.store(counters + RANGES + tile, 0)  # ready for the next launch
-                    tl.debug_barrier()
-                    if tl.atomic_add(counters + RANGES + tiles, 1, sem="acq_rel") == tiles - 1:
-                        row_cols = tl.arange(0, BLOCK_ROW)
-                        row_keep = row_cols < n_cols
-                        tile_ids = tl.arange(0, TILES_PAD)
-                        w = tl.load(norm_weight + row_cols, mask=row_keep, other=0.0).to(tl.float32)
-                        for row in range(rows):
-                            squares = tl.load(square_sums + tile_ids * ROWS + row, mask=tile_ids < tiles, other=0.0,
-                                              cache_modifier=".cg")
-                            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n_cols + eps)
-                            total = tl.load(sum_out + row * n_cols + row_cols, mask=row_keep, other=0.0,
-                                            cache_modifier=".cg").to(tl.float32)
-                            tl.store(norm_out + row * n_cols + row_cols, (total * rstd * w).to(dtype), mask=row_keep)
-                        for k_range in range(RANGES):  # ready for the next launch
-                            tl.store(counters + k_range, 0)
-                        tl.store(counters + RANGES + tiles, 0)
 
     @triton.jit
     def _finish_step_kernel(
@@ -730,43 +638,6 @@ class TritonDecodeOps(TorchDecodeOps):
         fused = [lambda config=config: cls.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps))
                  for config in cls.split_configs(weight)]
         return cls.measured("linear_add_rms_norm", cls.matmul_shape(x, weight), x.device, (separate, *fused))
-
-    @classmethod
-    def mlp_add_rms_norm(cls, x, gate_up_weight, down_weight, bias, hidden, norm_weight, eps):
-        """The gate/up and down projections as above (each measured), or the persistent MLP kernel: whichever
-        measured faster."""
-        separate = lambda: super(TritonDecodeOps, cls).mlp_add_rms_norm(  # noqa: E731
-            x, gate_up_weight, down_weight, bias, hidden, norm_weight, eps)
-        if bias is not None or not cls.skinny(x, gate_up_weight) or down_weight.stride(1) != 1:
-            return separate()
-        fused = lambda: cls.persistent_mlp(x, gate_up_weight, down_weight, hidden, norm_weight, eps)  # noqa: E731
-        shape = f"{cls.matmul_shape(x, gate_up_weight)}->{down_weight.shape[0]}"
-        return cls.measured("mlp_add_rms_norm", shape, x.device, (separate, fused))
-
-    @classmethod
-    def persistent_mlp(cls, x, gate_up_weight, down_weight, hidden, norm_weight, eps, config=MlpConfig()):
-        """`mlp_add_rms_norm` (no bias) as one launch of `_mlp_kernel`, tiled by `config` (an MlpConfig)."""
-        rows, k = x.shape
-        n, inter = down_weight.shape
-        step = math.lcm(config.block_a, config.block_kb)  # a range is whole gate/up items and whole down K steps
-        range_len = triton.cdiv(triton.cdiv(inter, config.ranges), step) * step
-        ranges, tiles = triton.cdiv(inter, range_len), triton.cdiv(n, config.block_b)
-        counters = cls.ticket(x.device, ranges + tiles + 1)
-        act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-        parts = torch.empty(ranges, rows, n, dtype=torch.float32, device=x.device)
-        square_sums = torch.empty(tiles, cls.SKINNY_ROWS, dtype=torch.float32, device=x.device)
-        sums, out = torch.empty_like(hidden), torch.empty_like(hidden)
-        programs = config.programs or cls.sm_count(x.device)
-        # One launch on the GPU; the interpreter (CPU) runs programs in turn, so there the halves run one by one.
-        for phase in (0,) if x.is_cuda else (1, 2):
-            _launch(_mlp_kernel, (programs,),
-                x, gate_up_weight, act, down_weight, parts, hidden, norm_weight, sums, out, square_sums, counters, rows,
-                k, inter, n, range_len, x.stride(0), gate_up_weight.stride(0), down_weight.stride(0), eps,
-                PHASE=phase, ROWS=cls.SKINNY_ROWS, BLOCK_A=config.block_a, BLOCK_KA=config.block_ka,
-                BLOCK_B=config.block_b, BLOCK_KB=config.block_kb, RANGES=ranges, TILES_PAD=triton.next_power_of_2(tiles),
-                BLOCK_ROW=triton.next_power_of_2(n), num_warps=config.num_warps, num_stages=config.num_stages,
-            )
-        return sums, out
 
     @classmethod
     def qkv_norm_rope_write(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots):

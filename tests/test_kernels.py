@@ -248,27 +248,6 @@ def test_linear_add_rms_norm_fused_and_chosen(dtype, rows, split_k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5])
-def test_persistent_mlp_and_chosen(dtype, rows):
-    """The persistent MLP kernel (gate/up + SwiGLU, then down with the add and RMSNorm, one launch) equals the separate
-    ops: three programs share items unevenly, the last K range is short, N and the intermediate size are not multiples
-    of the tiles; every counter is back at zero afterwards."""
-    x, gate_up_weight, down_weight = randn(rows, 200, dtype=dtype), randn(2 * 200, 200, dtype=dtype), randn(100, 200, dtype=dtype)
-    hidden, norm_weight = randn(rows, 100, dtype=dtype), randn(100, dtype=dtype)
-    config = kernels.MlpConfig(block_a=16, block_ka=64, block_b=32, block_kb=32, ranges=3, programs=3, num_stages=2)
-    with poisoned_empty():  # the activations, the partials, the squares, the sum and the normed output
-        total, normed = Triton.persistent_mlp(x, gate_up_weight, down_weight, hidden, norm_weight, 1e-6, config)
-    expected = Torch.mlp_add_rms_norm(x.float(), gate_up_weight.float(), down_weight.float(), None, hidden.float(),
-                                      norm_weight.float(), 1e-6)
-    assert_close_at_scale(total, expected[0])
-    torch.testing.assert_close(normed, Torch.rms_norm(total, norm_weight, 1e-6), **TOLERANCE[dtype])
-    assert not Triton.ticket(x.device, Triton.TICKETS).any()
-    total, normed = Triton.mlp_add_rms_norm(x, gate_up_weight, down_weight, None, hidden, norm_weight, 1e-6)  # either form
-    assert_close_at_scale(total, expected[0])
-    torch.testing.assert_close(normed, Torch.rms_norm(total, norm_weight, 1e-6), **TOLERANCE[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_add_layer_norm(dtype):
     hidden, delta = randn(5, 200, dtype=dtype), randn(5, 200, dtype=dtype)
     weight, bias = randn(200, dtype=dtype), randn(200, dtype=dtype)
