@@ -427,9 +427,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
         x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
-        hidden, norm_weight, sum_out, norm_out, square_sums, eps, tickets, splits,
+        hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
-        ADD_RMS_NORM: tl.constexpr, TILES_PAD: tl.constexpr, BLOCK_ROW: tl.constexpr,
+        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr,
     ):
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
         itself, or this K range's float32 partial `(splits, rows, n_cols)`.
@@ -437,11 +437,9 @@ if triton is not None:
         SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program also computes the up columns that
         go with its gate columns and stores silu(gate) * up, rounded as the separate ops round (one K range).
 
-        ADD_RMS_NORM: `out` takes the float32 partials; the last program of each column tile (a ticket per tile
-        counts them) sums its partials, rounds y, adds it to `hidden` (the residual stream), stores the sum and its
-        squares' sum per row; the last tile to finish (one more ticket) stores every row's RMSNorm, rounded as the
-        separate ops round: the residual add and the norm after a projection cost no launch of their own, and no
-        one program reads every partial."""
+        ADD_RMS_NORM: `out` takes the float32 partials and the last program to finish (a ticket counts them) sums
+        them, rounds y, adds it to `hidden` (the residual stream) and stores the sum and its RMSNorm, rounded as the
+        separate ops round: the residual add and the norm after a projection cost no launch of their own."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
@@ -454,36 +452,22 @@ if triton is not None:
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
         if ADD_RMS_NORM:
             # The barrier puts all of this program's stores before the ticket's release; the ticket's acquire puts
-            # every other program's stores before the last program's reads (which bypass L1). Same for the second.
+            # every other program's stores before the last program's reads (which bypass L1).
             tl.debug_barrier()
-            tile, tiles = tl.program_id(0), tl.num_programs(0)
-            if tl.atomic_add(tickets + tile, 1, sem="acq_rel") == splits - 1:
-                y = tl.zeros((BLOCK_N, ROWS), tl.float32)
-                for part in range(splits):
-                    y += tl.load(out + (part * rows + row_ids[None, :]) * n_cols + cols[:, None], mask=keep, other=0.0,
-                                 cache_modifier=".cg")
-                at = row_ids[None, :] * n_cols + cols[:, None]
-                h = tl.load(hidden + at, mask=keep, other=0.0)
-                h = (h.to(tl.float32) + y.to(h.dtype).to(tl.float32)).to(h.dtype)  # y rounded as the projection's output
-                tl.store(sum_out + at, h, mask=keep)
-                h = h.to(tl.float32)
-                tl.store(square_sums + tile * ROWS + row_ids, tl.sum(h * h, axis=0))
-                tl.store(tickets + tile, 0)  # ready for the next launch
-                tl.debug_barrier()
-                if tl.atomic_add(tickets + tiles, 1, sem="acq_rel") == tiles - 1:
-                    row_cols = tl.arange(0, BLOCK_ROW)
-                    row_keep = row_cols < n_cols
-                    tile_ids = tl.arange(0, TILES_PAD)
-                    w = tl.load(norm_weight + row_cols, mask=row_keep, other=0.0).to(tl.float32)
-                    for row in range(rows):
-                        squares = tl.load(square_sums + tile_ids * ROWS + row, mask=tile_ids < tiles, other=0.0,
-                                          cache_modifier=".cg")
-                        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / n_cols + eps)
-                        total = tl.load(sum_out + row * n_cols + row_cols, mask=row_keep, other=0.0,
-                                        cache_modifier=".cg").to(tl.float32)
-                        tl.store(norm_out + row * n_cols + row_cols, (total * rstd * w).to(norm_out.dtype.element_ty),
-                                 mask=row_keep)
-                    tl.store(tickets + tiles, 0)
+            if tl.atomic_add(ticket, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
+                row_cols = tl.arange(0, BLOCK_ROW)
+                row_keep = row_cols < n_cols
+                for row in range(rows):
+                    y = tl.zeros((BLOCK_ROW,), tl.float32)
+                    for part in range(splits):
+                        y += tl.load(out + (part * rows + row) * n_cols + row_cols, mask=row_keep, other=0.0,
+                                     cache_modifier=".cg")
+                    h = tl.load(hidden + row * n_cols + row_cols, mask=row_keep, other=0.0)
+                    # y rounded as the projection's output, the sum as `hidden + y`.
+                    h = (h.to(tl.float32) + y.to(h.dtype).to(tl.float32)).to(h.dtype)
+                    tl.store(sum_out + row * n_cols + row_cols, h, mask=row_keep)
+                    _store_rms_norm(h, row_cols, row_keep, norm_weight, norm_out + row * n_cols, n_cols, eps)
+                tl.store(ticket, 0)  # ready for the next launch
 
     @triton.jit
     def _finish_step_kernel(
@@ -821,16 +805,14 @@ class TritonDecodeOps(TorchDecodeOps):
         fused_norm = add_rms_norm is not None
         parts = out if splits == 1 and not fused_norm else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
         hidden, norm_weight, eps = add_rms_norm if fused_norm else (out, out, 0.0)
-        tiles = triton.cdiv(n, config.block_n)
         sums = torch.empty_like(hidden) if fused_norm else out
-        square_sums = torch.empty(tiles, cls.SKINNY_ROWS, dtype=torch.float32, device=x.device) if fused_norm else parts
-        tickets = cls.ticket(x.device, tiles + 1) if fused_norm else out
-        _launch(_skinny_matmul_kernel, (tiles, splits),
+        ticket = cls.ticket(x.device) if fused_norm else out
+        _launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n), splits),
             x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
-            hidden, norm_weight, sums, out, square_sums, eps, tickets, splits,
+            hidden, norm_weight, sums, out, eps, ticket, splits,
             ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
-            ADD_RMS_NORM=fused_norm, TILES_PAD=triton.next_power_of_2(tiles), BLOCK_ROW=triton.next_power_of_2(n),
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
         if fused_norm:
             return sums, out
