@@ -79,6 +79,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             torch.backends.cudnn.benchmark = True
         self._static_cache = None
         self._runner = self._prefill_runner = None
+        # The last `warmup()`: seconds compiling kernels ahead ("compile"), capturing ("capture"); graphs captured.
+        self.warmup_report = {}
         # One request at a time owns the cache and the runner's buffers.
         self._generate_lock = threading.RLock()
 
@@ -190,7 +192,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
           `vision_graph_patches`: a single image's graph at exactly that count, and the padded bucket graph for
           several images. By default every bucket (a single image's own graph is then captured on first use).
         Each other size is rounded up to its bucket, and each list defaults to every configured bucket. Returns the
-        capture time in seconds (0 where graphs are not used: CPU, or `use_cuda_graphs=False`).
+        time taken in seconds (0 where graphs are not used: CPU, or `use_cuda_graphs=False`); `warmup_report` splits
+        it into compiling the kernels ahead and capturing.
         """
         self.static_cache()
         runner, prefill, vision = self._runner, self._prefill_runner, self.model.visual.runner
@@ -207,12 +210,15 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             # Every kernel these graphs launch, compiled at once on a thread pool rather than one by one as captures
             # first meet them.
             runner.capturer.precompile(runner.ops, [owner.graph_step(*key) for owner, key in pending])
+            compiled = time.perf_counter()
             for owner, key in tqdm(pending, desc="Capturing CUDA graphs"):
                 owner.capture(*key)
             torch.cuda.synchronize()
-            seconds = time.perf_counter() - began
-            logger.info(f"Captured {len(pending)} CUDA graphs in {seconds:.2f} s")
-            return seconds
+            done = time.perf_counter()
+            self.warmup_report = {"compile": compiled - began, "capture": done - compiled, "graphs": len(pending)}
+            logger.info(f"Compiled the kernels of {len(pending)} CUDA graphs in {compiled - began:.2f} s (Triton caches "
+                        f"them on disk for later processes) and captured the graphs in {done - compiled:.2f} s")
+            return done - began
 
     def _sample(
         self,

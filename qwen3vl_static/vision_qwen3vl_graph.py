@@ -213,16 +213,18 @@ class VisionRunner:
             cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(pixel_values.device)
             positions, cos, sin, _ = (torch.cat(parts) for parts in zip(*tables))
             return self.tower(pixel_values.to(self.dtype), positions, cos, sin, cu_seqlens)
+        size, masked = shape
         start, segment = 0, 0
         for (t, _, _), (positions, cos, sin, frames) in zip(grids, tables):
             end = start + frames.shape[0]
             self.positions[start:end] = positions
             self.cos[start:end] = cos
             self.sin[start:end] = sin
-            self.segments[start:end] = frames + segment
+            if masked:  # only the mask reads the segments (each launch here delays the graph's)
+                self.segments[start:end] = frames + segment
             start, segment = end, segment + t
-        size, masked = shape
-        self.segments[patches:size] = -1  # padding: a segment of its own
+        if masked:
+            self.segments[patches:size] = -1  # padding: a segment of its own
         self.pixels[:patches] = pixel_values
         if self.use_graphs:
             graph = self.graphs.get(shape) or self.capture(size, masked)

@@ -40,7 +40,12 @@ def test_graph_equals_eager_static_path(models):
     ours, _ = models
     ours.static_cache()
     # Some graphs captured ahead (their kernels compiled at once, in parallel), the others on first use.
-    ours.warmup(batch_sizes=[1, 4], cache_lengths=[456], modes=("greedy",), prompt_lengths=[200], image_patches=[784])
+    sizes = dict(batch_sizes=[1, 4], cache_lengths=[456], modes=("greedy",), prompt_lengths=[200], image_patches=[784])
+    ours.warmup(**sizes)
+    captured = ours.warmup_report
+    assert captured["graphs"] > 0 and captured["compile"] > 0 and captured["capture"] > 0
+    ours.warmup(**sizes)  # nothing left to compile or capture
+    assert ours.warmup_report["graphs"] == 0 and ours.warmup_report["compile"] < captured["compile"]
     generator = torch.Generator().manual_seed(1)
     cases = [
         text_prompt(ours.config, 1, 200, "cuda", generator),
