@@ -261,7 +261,7 @@ def run(args) -> dict:
     ours.warmup(batch_sizes=args.batch_sizes, cache_lengths=[args.context + LONG, image["input_ids"].shape[1] + 128],
                 modes=("greedy",))
     warmup_s = time.perf_counter() - began
-    warmup_report = dict(ours.warmup_report)
+    warmup_report = ours.warmup_report
     graph_pool_gb = (torch.cuda.memory_reserved() - reserved) / 2**30  # graphs allocate from a private pool
     results = measure("ours", ours, prompts, image)
     for row in results:
@@ -316,8 +316,9 @@ def run(args) -> dict:
         "kv_cache_gb": cache_gb,
         "static_buffers_gb": buffers_gb,
         "graph_pool_reserved_gb_after_warmup": graph_pool_gb,
-        # Seconds of the warmup spent compiling the Triton kernels ahead (loading them, where Triton's disk cache
-        # has them) and capturing; compiling is only counted cold (an empty cache).
+        # Seconds of the warmup in its compile-ahead pass (compiling the Triton kernels, or loading them from
+        # Triton's disk cache, plus one eager run of every step) and in capturing. The compiling itself is the
+        # difference between a cold run (empty cache) and a warm one.
         "warmup_seconds": warmup_report,
         "graph_equals_eager_static_path": graph_equals_eager_static,
         "gpu_profile": breakdown,

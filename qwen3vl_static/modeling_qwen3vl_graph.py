@@ -79,7 +79,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             torch.backends.cudnn.benchmark = True
         self._static_cache = None
         self._runner = self._prefill_runner = None
-        # The last `warmup()`: seconds compiling kernels ahead ("compile"), capturing ("capture"); graphs captured.
+        # The last `warmup()`: seconds of its compile-ahead pass ("compile": compiling, plus each step's first eager
+        # run) and of capturing ("capture"); graphs captured.
         self.warmup_report = {}
         # One request at a time owns the cache and the runner's buffers.
         self._generate_lock = threading.RLock()
@@ -216,8 +217,9 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             torch.cuda.synchronize()
             done = time.perf_counter()
             self.warmup_report = {"compile": compiled - began, "capture": done - compiled, "graphs": len(pending)}
-            logger.info(f"Compiled the kernels of {len(pending)} CUDA graphs in {compiled - began:.2f} s (Triton caches "
-                        f"them on disk for later processes) and captured the graphs in {done - compiled:.2f} s")
+            logger.info(f"Compiled ahead the kernels of {len(pending)} CUDA graphs in {compiled - began:.2f} s (one "
+                        f"eager run of each step included; Triton caches the kernels on disk for later processes) "
+                        f"and captured the graphs in {done - compiled:.2f} s")
             return done - began
 
     def _sample(
