@@ -10,6 +10,7 @@ The step's matmuls have a few rows, so they are GEMVs bound by reading the weigh
 cuBLAS or a skinny Triton matmul, whichever measured faster on the device for that shape.
 """
 
+import functools
 import os
 import statistics
 from collections import namedtuple
@@ -26,6 +27,10 @@ try:
     import triton.language as tl
 except ImportError:  # the torch ops cover every environment
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without programmatic dependent launch: every kernel waits for the previous one
+    gdc_launch_dependents = gdc_wait = None
 
 logger = logging.get_logger(__name__)
 
@@ -200,6 +205,26 @@ class TorchDecodeOps:
 if triton is not None:
 
     @triton.jit
+    def _wait_then_release(PDL: tl.constexpr):
+        """Under programmatic dependent launch (PDL), a kernel may start before the previous one has finished: wait
+        for its results, then let the next kernel launch (it waits in turn, so every kernel still sees the results of
+        all before it). For kernels with nothing to start early."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def _prefetch_l2(weight, cols, n_cols, k_start, k_len, stride_w, LINES: tl.constexpr):
+        """Ask L2 for the first LINES 128-byte lines (16-bit weights) of each row `cols` of `weight` from `k_start`
+        on, clamped to the matrix: the weights are constants, so a kernel launched early streams them from HBM while
+        the previous kernel finishes, and its own loads then hit L2."""
+        rows = tl.minimum(cols, n_cols - 1).to(tl.int64)
+        ks = k_start + tl.minimum(tl.arange(0, LINES) * 64, k_len - 1 - k_start)
+        lines = weight + rows[:, None] * stride_w + ks[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
     def _store_rms_norm(x, cols, keep, weight, out, n_cols, eps):
         """RMSNorm of one row `x` (float32 statistics, the scale applied before rounding), stored at `out`."""
         x = x.to(tl.float32)
@@ -208,7 +233,9 @@ if triton is not None:
         tl.store(out + cols, (x * rstd * w).to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+        _wait_then_release(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         keep = cols < n_cols
@@ -295,10 +322,11 @@ if triton is not None:
     def _qk_norm_rope_write_kernel(
         qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, eps,
         stride_cache_row, stride_cache_head, stride_cache_slot,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
         """One (token, KV head) per program: its query heads, normed and rotated, to `q_out`; its key, normed and
         rotated, and its value into the cache. q and k are rounded once to the storage dtype."""
+        _wait_then_release(PDL)
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         base = qkv + row * (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM
@@ -318,9 +346,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_rotary_kernel(positions, stride_component, stride_row, components, inv_freq, scaling, cos, sin,
-                              HEAD_DIM: tl.constexpr):
+                              HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
         """One row's rotary tables: column j turns by (its T/H/W position component) x inv_freq[j mod D/2], in float32
         as the stock module computes it, rounded once."""
+        _wait_then_release(PDL)
         row = tl.program_id(0)
         dims = tl.arange(0, HEAD_DIM)
         position = tl.load(positions + tl.load(components + dims) * stride_component + row * stride_row)
@@ -333,7 +362,7 @@ if triton is not None:
         q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
         stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
         SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
+        HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
         """Decode attention of one new token per row, flash-decoding's first pass: a program per (row, KV head, chunk
         of CHUNK slots) takes the softmax of the KV head's query group over its chunk, one tile (row r's cache is
@@ -342,6 +371,8 @@ if triton is not None:
         The cache loads come first and depend on the row's length alone: slots up to the new token's were all
         written (the prefill writes left padding too), and the ones the row does not attend to (left padding) are
         zeroed after loading, so whatever they hold drops out. Slots past the new token are never read."""
+        if PDL:
+            gdc_wait()
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -364,6 +395,8 @@ if triton is not None:
         weights = tl.exp(scores - tl.where(best == float("-inf"), 0.0, best)[:, None])  # an empty chunk: no NaN
         # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
         acc = tl.dot(weights, v.to(tl.float32))
+        if PDL:  # the merge may launch while these programs store
+            gdc_launch_dependents()
         part = ((row * KV_HEADS + kv_head) * SPLITS + split) * GROUP + group
         live = group < GROUP
         tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
@@ -372,8 +405,9 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(part_out, part_max, part_sum, out, SPLITS, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      MERGE_BLOCK: tl.constexpr):
+                      MERGE_BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Flash-decoding's second pass: one program per (row, query head) merges its chunks' partial softmaxes."""
+        _wait_then_release(PDL)
         pair, head = tl.program_id(0) // GROUP, tl.program_id(0) % GROUP  # pair: (row, KV head)
         dims = tl.arange(0, HEAD_DIM)
         top = tl.full((), float("-inf"), tl.float32)
@@ -395,7 +429,8 @@ if triton is not None:
         tl.store(out + (pair * GROUP + head) * HEAD_DIM + dims, (merged / total).to(out.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _wait_then_release(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         keep = cols < n_cols
@@ -405,10 +440,21 @@ if triton is not None:
 
     @triton.jit
     def _gemv_tile(x, weight, rows, cols, n_cols, k_len, k_start, k_split, stride_x, stride_w,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
         """`weight[cols] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most ROWS
         rows: each weight tile is read once, coalesced along K, and serves every row (the narrow side of a `tl.dot`,
-        padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection)."""
+        padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection).
+
+        PDL: launched while the previous kernel finishes, the program first asks L2 for the start of its weights
+        (PREFETCH_LINES lines per row), then waits for `x`; once its loads are done it lets the next kernel launch,
+        which overlaps that kernel's start with this one's epilogue."""
+        if PDL:
+            if PREFETCH_LINES > 0:
+                _prefetch_l2(weight, cols, n_cols, k_start, k_len, stride_w, PREFETCH_LINES)
+                if UP:
+                    _prefetch_l2(weight + n_cols * stride_w, cols, n_cols, k_start, k_len, stride_w, PREFETCH_LINES)
+            gdc_wait()
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
@@ -422,6 +468,8 @@ if triton is not None:
             acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
             if UP:
                 up_acc = tl.dot(tl.load(weight + n_cols * stride_w + tile, mask=live, other=0.0), x_t, up_acc)
+        if PDL:
+            gdc_launch_dependents()
         return acc, up_acc
 
     @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
@@ -429,7 +477,7 @@ if triton is not None:
         x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
         hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
-        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr,
+        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
     ):
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
         itself, or this K range's float32 partial `(splits, rows, n_cols)`.
@@ -444,7 +492,7 @@ if triton is not None:
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
         acc, up_acc = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU)
+                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU, PDL, PREFETCH_LINES)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         if SWIGLU:
             gate = acc.to(out.dtype.element_ty).to(tl.float32)
@@ -474,12 +522,13 @@ if triton is not None:
         logits, n_vocab, stride_logits, part_value, part_index, tokens, unfinished, pad_id, eos_ids, input_ids,
         stride_input_ids, out_tokens, stride_out_tokens, out_unfinished, stride_out_unfinished, chunk_step, ticket, rows,
         ARGMAX: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, ROWS_PAD: tl.constexpr, EOS_IDS: tl.constexpr,
-        EOS_PAD: tl.constexpr,
+        EOS_PAD: tl.constexpr, PDL: tl.constexpr,
     ):
         """`TorchDecodeOps.finish_step` in one launch instead of a dozen. ARGMAX: a program per (row, part of the
         vocabulary) finds the part's largest logit and its first index, and the last program to finish (a ticket
         counts them) picks each row's token from the parts; else one program takes the drawn `tokens`. That last
         program alone finishes the step, for every row."""
+        _wait_then_release(PDL)
         if ARGMAX:
             row, part = tl.program_id(0), tl.program_id(1)
             width = tl.cdiv(tl.cdiv(n_vocab, PARTS), BLOCK) * BLOCK
@@ -529,7 +578,7 @@ if triton is not None:
         x, weight, parts, rows, k_len, k_split, stride_x, stride_w, splits, q_weight, k_weight, cos, sin, eps,
         q_out, keys, values, cache_rows, cache_slots, stride_cache_row, stride_cache_head, stride_cache_slot, tickets,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEADS: tl.constexpr,
-        KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
     ):
         """The fused QKV projection of a few rows then `qk_norm_rope_write`, in one launch: programs as the skinny
         matmul's store float32 partials; the last program of each head (a ticket per head counts them) sums them,
@@ -539,7 +588,7 @@ if triton is not None:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         acc, _ = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                            ROWS, BLOCK_N, BLOCK_K, False)
+                            ROWS, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_LINES)
         row_ids = tl.arange(0, ROWS)
         tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
         head = tl.program_id(0) * BLOCK_N // HEAD_DIM
@@ -573,8 +622,9 @@ if triton is not None:
             tl.store(tickets + head, 0)  # ready for the next launch
 
     @triton.jit
-    def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr):
+    def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Split-K, pass 2: add the float32 partials and round once."""
+        _wait_then_release(PDL)
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         keep = offsets < numel
         total = tl.zeros((BLOCK,), tl.float32)
@@ -587,8 +637,20 @@ if triton is not None:
 _COMPILING = ContextVar("qwen3vl_static_compiling", default=False)
 
 
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return (gdc_wait is not None and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _launch(kernel, grid, *args, **kwargs):
-    """`kernel[grid](*args, **kwargs)`; while `TritonDecodeOps.precompile` runs, only the kernel's compilation."""
+    """`kernel[grid](*args, **kwargs)`; while `TritonDecodeOps.precompile` runs, only the kernel's compilation. Kernels
+    with a PDL argument launch with programmatic dependent launch where the device has it (`TritonDecodeOps.pdl`)."""
+    if "PDL" in kernel.arg_names:
+        pdl = TritonDecodeOps.pdl(next(arg.device for arg in args if isinstance(arg, torch.Tensor)))
+        kwargs.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    if "PREFETCH_LINES" in kernel.arg_names:
+        kwargs["PREFETCH_LINES"] = TritonDecodeOps.PREFETCH_LINES
     if _COMPILING.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
@@ -608,6 +670,8 @@ class TritonDecodeOps(TorchDecodeOps):
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
     tickets = {}  # device -> the counters `ticket` returns
     TICKETS = 256
+    PDL = True  # programmatic dependent launch where the device has it (bench/step_probe.py times it off and on)
+    PREFETCH_LINES = 8  # 128-byte lines of each weight row a matmul program asks L2 for before it waits (PDL only)
 
     @classmethod
     def linear(cls, x, weight, bias=None):
@@ -677,6 +741,12 @@ class TritonDecodeOps(TorchDecodeOps):
         fused epilogue is measured at."""
         rule = cls.skinny_config(*weight.shape, cls.sm_count(weight.device))
         return list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
+
+    @classmethod
+    def pdl(cls, device) -> bool:
+        """Whether kernels launch with programmatic dependent launch on `device`: sm90 and later, a Triton that has it,
+        compiled kernels (not the interpreter)."""
+        return cls.PDL and _pdl_capable(device)
 
     @staticmethod
     def sm_count(device) -> int:

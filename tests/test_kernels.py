@@ -314,6 +314,40 @@ def test_linear_measures_outside_graph_capture_only():
     assert key in Triton.choices
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda" or not Triton.pdl(torch.device(DEVICE, 0)), reason="needs programmatic dependent launch")
+def test_dependent_launches_see_their_inputs():
+    """Under programmatic dependent launch a kernel starts (and prefetches its weights) before the previous one ends.
+    A graph of MLP blocks in which each kernel reads the previous one's output gives the same bits as the same
+    kernels launched the usual way."""
+    width, hidden_width, blocks = 1024, 3072, 6
+    weights = [(randn(2 * hidden_width, width, dtype=torch.bfloat16) / 32, randn(width, hidden_width, dtype=torch.bfloat16) / 64,
+                randn(width, dtype=torch.bfloat16)) for _ in range(blocks)]
+    hidden = randn(2, width, dtype=torch.bfloat16)
+
+    def mlp_blocks():
+        h, x = hidden, Triton.rms_norm(hidden, weights[0][2], 1e-6)
+        for gate_up, down, norm_weight in weights:
+            activation = Triton.silu_mul(Triton.skinny_matmul(x, gate_up))
+            h, x = Triton.skinny_matmul(activation, down, add_rms_norm=(h, norm_weight, 1e-6))
+        return h, x
+
+    outputs, graphs = {}, {}
+    for pdl in (False, True):
+        Triton.PDL = pdl
+        try:
+            mlp_blocks()  # compiles
+            graphs[pdl] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[pdl]):
+                outputs[pdl] = mlp_blocks()
+            for _ in range(20):
+                graphs[pdl].replay()
+                assert all(torch.equal(a, b) for a, b in zip(outputs[pdl], outputs[False]))
+        finally:
+            Triton.PDL = True
+    assert outputs[True][1].isfinite().all()
+
+
 @pytest.mark.skipif(not hasattr(kernels.triton, "AsyncCompileMode"), reason="needs triton.AsyncCompileMode")
 def test_precompile_compiles_instead_of_running():
     """While kernels compile ahead, a launch only compiles (the interpreter has nothing to compile) and a measured op
@@ -341,6 +375,7 @@ def test_skinny_config_splits_narrow_matrices_only():
 
 
 def test_ops_selection():
+    assert not Triton.pdl(torch.device("cpu"))
     assert kernels.decode_ops(torch.device("cpu"), torch.bfloat16, True) is Torch
     assert kernels.decode_ops(torch.device("cuda"), torch.float32, True) is Torch  # tl.dot would round to TF32
     assert kernels.decode_ops(torch.device("cuda"), torch.bfloat16, False) is Torch
