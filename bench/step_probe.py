@@ -7,8 +7,7 @@ Real Qwen3-VL-2B shapes, random bf16 weights, a 512-token prompt, KV bucket 1024
   difference is the host turnaround between chunks, per step;
 - "forced": device_ms with each measured choice of this batch size forced to each of its candidates (does the
   isolated timing that picks them agree with the step?);
-- "pdl": device_ms with programmatic dependent launch off, and on with each amount of L2 prefetch (128-byte lines
-  of each weight row a matmul program asks for before it waits), the measured choices as they are;
+- "pdl": device_ms with programmatic dependent launch off and on, the measured choices as they are;
 - "kernels_batch1": every kernel of one batch-1 step in launch order, with its microseconds.
 Run: python bench/step_probe.py
 """
@@ -88,12 +87,10 @@ for batch in (1, 4, 8):
         runner.graphs.clear()
         row["forced"][f"{key[0]} {key[1]}"] = {"chosen": chosen, "isolated_us": Triton.timings[key], "step_ms": timings}
     row["pdl"] = {}
-    defaults = Triton.PDL, Triton.PREFETCH_LINES
-    for pdl, lines in ((False, 0), (True, 0), (True, 4), (True, 8), (True, 16)):
-        Triton.PDL, Triton.PREFETCH_LINES = pdl, lines
+    for pdl in (False, True):
+        Triton.PDL = pdl
         runner.graphs.clear()
-        row["pdl"][f"pdl={pdl} prefetch_lines={lines}"] = device_ms(batch)
-    Triton.PDL, Triton.PREFETCH_LINES = defaults
+        row["pdl"][f"pdl={pdl}"] = device_ms(batch)
     runner.graphs.clear()
     results[f"batch{batch}"] = row
     print(batch, json.dumps(row), flush=True)

@@ -214,17 +214,6 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def _prefetch_l2(weight, cols, n_cols, k_start, k_len, stride_w, LINES: tl.constexpr):
-        """Ask L2 for the first LINES 128-byte lines (16-bit weights) of each row `cols` of `weight` from `k_start`
-        on, clamped to the matrix: the weights are constants, so a kernel launched early streams them from HBM while
-        the previous kernel finishes, and its own loads then hit L2."""
-        rows = tl.minimum(cols, n_cols - 1).to(tl.int64)
-        ks = k_start + tl.minimum(tl.arange(0, LINES) * 64, k_len - 1 - k_start)
-        lines = weight + rows[:, None] * stride_w + ks[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
     def _store_rms_norm(x, cols, keep, weight, out, n_cols, eps):
         """RMSNorm of one row `x` (float32 statistics, the scale applied before rounding), stored at `out`."""
         x = x.to(tl.float32)
@@ -441,19 +430,16 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(x, weight, rows, cols, n_cols, k_len, k_start, k_split, stride_x, stride_w,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr):
+                   PDL: tl.constexpr):
         """`weight[cols] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most ROWS
         rows: each weight tile is read once, coalesced along K, and serves every row (the narrow side of a `tl.dot`,
         padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection).
 
-        PDL: launched while the previous kernel finishes, the program first asks L2 for the start of its weights
-        (PREFETCH_LINES lines per row), then waits for `x`; once its loads are done it lets the next kernel launch,
-        which overlaps that kernel's start with this one's epilogue."""
+        PDL (programmatic dependent launch): launched while the previous kernel finishes, the program waits for its
+        results first; once its own loads are done it lets the next kernel launch, whose start then overlaps this
+        kernel's stores and epilogue. (Asking L2 for the first weights before the wait measured slower: the step's
+        kernels then compete for HBM; bench/results/*session7-pdl*.)"""
         if PDL:
-            if PREFETCH_LINES > 0:
-                _prefetch_l2(weight, cols, n_cols, k_start, k_len, stride_w, PREFETCH_LINES)
-                if UP:
-                    _prefetch_l2(weight + n_cols * stride_w, cols, n_cols, k_start, k_len, stride_w, PREFETCH_LINES)
             gdc_wait()
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
@@ -477,7 +463,7 @@ if triton is not None:
         x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
         hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
-        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PDL: tl.constexpr,
     ):
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
         itself, or this K range's float32 partial `(splits, rows, n_cols)`.
@@ -492,7 +478,7 @@ if triton is not None:
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
         acc, up_acc = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU, PDL, PREFETCH_LINES)
+                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU, PDL)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         if SWIGLU:
             gate = acc.to(out.dtype.element_ty).to(tl.float32)
@@ -578,7 +564,7 @@ if triton is not None:
         x, weight, parts, rows, k_len, k_split, stride_x, stride_w, splits, q_weight, k_weight, cos, sin, eps,
         q_out, keys, values, cache_rows, cache_slots, stride_cache_row, stride_cache_head, stride_cache_slot, tickets,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEADS: tl.constexpr,
-        KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+        KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
         """The fused QKV projection of a few rows then `qk_norm_rope_write`, in one launch: programs as the skinny
         matmul's store float32 partials; the last program of each head (a ticket per head counts them) sums them,
@@ -588,7 +574,7 @@ if triton is not None:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         acc, _ = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                            ROWS, BLOCK_N, BLOCK_K, False, PDL, PREFETCH_LINES)
+                            ROWS, BLOCK_N, BLOCK_K, False, PDL)
         row_ids = tl.arange(0, ROWS)
         tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
         head = tl.program_id(0) * BLOCK_N // HEAD_DIM
@@ -649,8 +635,6 @@ def _launch(kernel, grid, *args, **kwargs):
     if "PDL" in kernel.arg_names:
         pdl = TritonDecodeOps.pdl(next(arg.device for arg in args if isinstance(arg, torch.Tensor)))
         kwargs.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
-    if "PREFETCH_LINES" in kernel.arg_names:
-        kwargs["PREFETCH_LINES"] = TritonDecodeOps.PREFETCH_LINES
     if _COMPILING.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
@@ -671,7 +655,6 @@ class TritonDecodeOps(TorchDecodeOps):
     tickets = {}  # device -> the counters `ticket` returns
     TICKETS = 256
     PDL = True  # programmatic dependent launch where the device has it (bench/step_probe.py times it off and on)
-    PREFETCH_LINES = 8  # 128-byte lines of each weight row a matmul program asks L2 for before it waits (PDL only)
 
     @classmethod
     def linear(cls, x, weight, bias=None):
@@ -810,21 +793,31 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def time_calls(cls, candidates, reps=20) -> list:
-        """Median microseconds of each call, as in the decode graph: each call is captured as a CUDA graph of its own
-        (its kernels then follow each other as closely as in the step; launched one by one from the host, a call of
-        several kernels would also pay the gaps between launches), the GPU replays it without waiting for the host
-        (a spin kernel covers the launch) and reads the weights from HBM, as the step does with weights far larger
-        than L2 (reading twice L2's size first evicts it, leaving no dirty lines to write back).
+        """Median microseconds of each call (with its two neighbours, below), as in the decode graph: each call is
+        captured as a CUDA graph of its own (its kernels then follow each other as closely as in the step; launched
+        one by one from the host, a call of several kernels would also pay the gaps between launches), the GPU
+        replays it without waiting for the host (a spin kernel covers the launch) and reads the weights from HBM, as
+        the step does with weights far larger than L2 (reading twice L2's size first evicts it, leaving no dirty
+        lines to write back). In the step a call
+        sits between other kernels, which under programmatic dependent launch overlap its start and its end (with
+        Triton kernels only, not cuBLAS): each graph puts the call between two small kernels, so that overlap counts.
         Synchronizes the device: each capture does, and the timings are read at the end."""
+        device = torch.cuda.current_device()
+        neighbour = torch.randn(1, 2048, dtype=torch.bfloat16, device=device)  # the step's SwiGLU kernel, compiled
+
+        def between_neighbours(candidate):
+            cls.silu_mul(neighbour)
+            candidate()
+            cls.silu_mul(neighbour)
+
         graphs = []
         for candidate in candidates:
             for _ in range(3):  # compiles the kernels, warms cuBLAS, measures the ops a candidate itself dispatches
-                candidate()
+                between_neighbours(candidate)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                candidate()
+                between_neighbours(candidate)
             graphs.append(graph)
-        device = torch.cuda.current_device()
         flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size // 2, dtype=torch.float32, device=device)
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
                   for _ in candidates]
