@@ -362,6 +362,8 @@ if triton is not None:
         zeroed after loading, so whatever they hold drops out. Slots past the new token are never read."""
         if PDL:
             gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -384,7 +386,7 @@ if triton is not None:
         weights = tl.exp(scores - tl.where(best == float("-inf"), 0.0, best)[:, None])  # an empty chunk: no NaN
         # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
         acc = tl.dot(weights, v.to(tl.float32))
-        if PDL:  # the merge may launch while these programs store
+        if PDL == 1:  # the merge may launch while these programs store
             gdc_launch_dependents()
         part = ((row * KV_HEADS + kv_head) * SPLITS + split) * GROUP + group
         live = group < GROUP
@@ -441,6 +443,8 @@ if triton is not None:
         kernels then compete for HBM; bench/results/*session7-pdl*.)"""
         if PDL:
             gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
@@ -454,7 +458,7 @@ if triton is not None:
             acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
             if UP:
                 up_acc = tl.dot(tl.load(weight + n_cols * stride_w + tile, mask=live, other=0.0), x_t, up_acc)
-        if PDL:
+        if PDL == 1:
             gdc_launch_dependents()
         return acc, up_acc
 
@@ -634,7 +638,7 @@ def _launch(kernel, grid, *args, **kwargs):
     with a PDL argument launch with programmatic dependent launch where the device has it (`TritonDecodeOps.pdl`)."""
     if "PDL" in kernel.arg_names:
         pdl = TritonDecodeOps.pdl(next(arg.device for arg in args if isinstance(arg, torch.Tensor)))
-        kwargs.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+        kwargs.update(PDL=TritonDecodeOps.RELEASE if pdl else 0, **({"launch_pdl": True} if pdl else {}))
     if _COMPILING.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
@@ -655,6 +659,7 @@ class TritonDecodeOps(TorchDecodeOps):
     tickets = {}  # device -> the counters `ticket` returns
     TICKETS = 256
     PDL = True  # programmatic dependent launch where the device has it (bench/step_probe.py times it off and on)
+    RELEASE = 1  # matmuls and attention let the next kernel launch: 1 after their loads, 2 right after their wait
 
     @classmethod
     def linear(cls, x, weight, bias=None):
