@@ -87,10 +87,10 @@ for batch in (1, 4, 8):
         runner.graphs.clear()
         row["forced"][f"{key[0]} {key[1]}"] = {"chosen": chosen, "isolated_us": Triton.timings[key], "step_ms": timings}
     row["pdl"] = {}
-    for pdl, release in ((False, 1), (True, 2), (True, 1)):
-        Triton.PDL, Triton.RELEASE = pdl, release
+    for pdl in (False, True):
+        Triton.PDL = pdl
         runner.graphs.clear()
-        row["pdl"][f"pdl={pdl} release={release}"] = device_ms(batch)
+        row["pdl"][f"pdl={pdl}"] = device_ms(batch)
     runner.graphs.clear()
     results[f"batch{batch}"] = row
     print(batch, json.dumps(row), flush=True)

@@ -213,7 +213,9 @@ KERNEL_CLASSES = {
 
 
 def kernel_profile(call, calls=1) -> dict:
-    """GPU time of `call()` per call, by kernel class and for the top kernels."""
+    """GPU time of `call()` per call, by kernel class and for the top kernels. Under programmatic dependent launch
+    a kernel starts before its predecessor ends and waits for it, so kernel times overlap: their sum ("gpu_ms_total")
+    can exceed the call's time, and a kernel's time includes its wait."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()

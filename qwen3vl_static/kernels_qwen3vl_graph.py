@@ -206,9 +206,11 @@ if triton is not None:
 
     @triton.jit
     def _wait_then_release(PDL: tl.constexpr):
-        """Under programmatic dependent launch (PDL), a kernel may start before the previous one has finished: wait
-        for its results, then let the next kernel launch (it waits in turn, so every kernel still sees the results of
-        all before it). For kernels with nothing to start early."""
+        """Every decode kernel's first step. Under programmatic dependent launch (PDL) a kernel is launched while the
+        previous one still runs: it waits for that kernel's results (all of them, flushed), then lets the next kernel
+        launch, which waits in turn. So each kernel's launch and start overlap its predecessor's tail, and every
+        kernel still sees the results of all before it (releasing only after the wait keeps one kernel waiting at a
+        time, not a chain holding the SMs)."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -360,10 +362,7 @@ if triton is not None:
         The cache loads come first and depend on the row's length alone: slots up to the new token's were all
         written (the prefill writes left padding too), and the ones the row does not attend to (left padding) are
         zeroed after loading, so whatever they hold drops out. Slots past the new token are never read."""
-        if PDL:
-            gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
+        _wait_then_release(PDL)
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -386,8 +385,6 @@ if triton is not None:
         weights = tl.exp(scores - tl.where(best == float("-inf"), 0.0, best)[:, None])  # an empty chunk: no NaN
         # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
         acc = tl.dot(weights, v.to(tl.float32))
-        if PDL == 1:  # the merge may launch while these programs store
-            gdc_launch_dependents()
         part = ((row * KV_HEADS + kv_head) * SPLITS + split) * GROUP + group
         live = group < GROUP
         tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
@@ -431,20 +428,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_tile(x, weight, rows, cols, n_cols, k_len, k_start, k_split, stride_x, stride_w,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr,
-                   PDL: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr):
         """`weight[cols] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most ROWS
         rows: each weight tile is read once, coalesced along K, and serves every row (the narrow side of a `tl.dot`,
-        padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection).
-
-        PDL (programmatic dependent launch): launched while the previous kernel finishes, the program waits for its
-        results first; once its own loads are done it lets the next kernel launch, whose start then overlaps this
-        kernel's stores and epilogue. (Asking L2 for the first weights before the wait measured slower: the step's
-        kernels then compete for HBM; bench/results/*session7-pdl*.)"""
-        if PDL:
-            gdc_wait()
-        if PDL == 2:
-            gdc_launch_dependents()
+        padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection)."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
@@ -458,8 +445,6 @@ if triton is not None:
             acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
             if UP:
                 up_acc = tl.dot(tl.load(weight + n_cols * stride_w + tile, mask=live, other=0.0), x_t, up_acc)
-        if PDL == 1:
-            gdc_launch_dependents()
         return acc, up_acc
 
     @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
@@ -477,12 +462,16 @@ if triton is not None:
 
         ADD_RMS_NORM: `out` takes the float32 partials and the last program to finish (a ticket counts them) sums
         them, rounds y, adds it to `hidden` (the residual stream) and stores the sum and its RMSNorm, rounded as the
-        separate ops round: the residual add and the norm after a projection cost no launch of their own."""
+        separate ops round: the residual add and the norm after a projection cost no launch of their own.
+
+        PDL: see `_wait_then_release`. (Asking L2 for the first weights before the wait measured slower, and releasing
+        the next kernel only after the loop's loads measured slower at batch 1 and 4: bench/results/*session7*.)"""
+        _wait_then_release(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
         acc, up_acc = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU, PDL)
+                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         if SWIGLU:
             gate = acc.to(out.dtype.element_ty).to(tl.float32)
@@ -574,11 +563,12 @@ if triton is not None:
         matmul's store float32 partials; the last program of each head (a ticket per head counts them) sums them,
         rounds them as the projection's output, norms and rotates q and k, and stores q to `q_out` `(rows, HEADS,
         D)` and k and v into the cache (row `cache_rows[r]`, slot `cache_slots[r]`)."""
+        _wait_then_release(PDL)
         n_cols = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         acc, _ = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                            ROWS, BLOCK_N, BLOCK_K, False, PDL)
+                            ROWS, BLOCK_N, BLOCK_K, False)
         row_ids = tl.arange(0, ROWS)
         tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
         head = tl.program_id(0) * BLOCK_N // HEAD_DIM
@@ -638,7 +628,7 @@ def _launch(kernel, grid, *args, **kwargs):
     with a PDL argument launch with programmatic dependent launch where the device has it (`TritonDecodeOps.pdl`)."""
     if "PDL" in kernel.arg_names:
         pdl = TritonDecodeOps.pdl(next(arg.device for arg in args if isinstance(arg, torch.Tensor)))
-        kwargs.update(PDL=TritonDecodeOps.RELEASE if pdl else 0, **({"launch_pdl": True} if pdl else {}))
+        kwargs.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     if _COMPILING.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
@@ -659,7 +649,6 @@ class TritonDecodeOps(TorchDecodeOps):
     tickets = {}  # device -> the counters `ticket` returns
     TICKETS = 256
     PDL = True  # programmatic dependent launch where the device has it (bench/step_probe.py times it off and on)
-    RELEASE = 1  # matmuls and attention let the next kernel launch: 1 after their loads, 2 right after their wait
 
     @classmethod
     def linear(cls, x, weight, bias=None):
