@@ -464,8 +464,9 @@ if triton is not None:
         them, rounds y, adds it to `hidden` (the residual stream) and stores the sum and its RMSNorm, rounded as the
         separate ops round: the residual add and the norm after a projection cost no launch of their own.
 
-        PDL: see `_wait_then_release`. (Asking L2 for the first weights before the wait measured slower, and releasing
-        the next kernel only after the loop's loads measured slower at batch 1 and 4: bench/results/*session7*.)"""
+        PDL: see `_wait_then_release`. (Measured slower on an H200, bench/results/*session7*: asking L2 for the first
+        weights before the wait, loading the first weight tile before the wait, and releasing the next kernel only
+        after the loop's loads.)"""
         _wait_then_release(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
@@ -792,9 +793,9 @@ class TritonDecodeOps(TorchDecodeOps):
         one by one from the host, a call of several kernels would also pay the gaps between launches), the GPU
         replays it without waiting for the host (a spin kernel covers the launch) and reads the weights from HBM, as
         the step does with weights far larger than L2 (reading twice L2's size first evicts it, leaving no dirty
-        lines to write back). In the step a call
-        sits between other kernels, which under programmatic dependent launch overlap its start and its end (with
-        Triton kernels only, not cuBLAS): each graph puts the call between two small kernels, so that overlap counts.
+        lines to write back). In the step a call sits between other kernels, which under programmatic dependent
+        launch overlap its start and its end (Triton kernels do, cuBLAS does not): each graph puts the call between
+        two small Triton kernels, so that overlap counts.
         Synchronizes the device: each capture does, and the timings are read at the end."""
         device = torch.cuda.current_device()
         neighbour = torch.randn(1, 2048, dtype=torch.bfloat16, device=device)  # the step's SwiGLU kernel, compiled

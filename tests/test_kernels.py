@@ -317,9 +317,9 @@ def test_linear_measures_outside_graph_capture_only():
 @pytest.mark.cuda
 @pytest.mark.skipif(DEVICE != "cuda" or not Triton.pdl(torch.device(DEVICE, 0)), reason="needs programmatic dependent launch")
 def test_dependent_launches_see_their_inputs():
-    """Under programmatic dependent launch a kernel starts (and prefetches its weights) before the previous one ends.
-    A graph of MLP blocks in which each kernel reads the previous one's output gives the same bits as the same
-    kernels launched the usual way."""
+    """Under programmatic dependent launch a kernel is launched before the previous one ends. A graph of MLP blocks
+    in which each kernel reads the previous one's output gives the same bits as the same kernels launched the usual
+    way, replay after replay."""
     width, hidden_width, blocks = 1024, 3072, 6
     weights = [(randn(2 * hidden_width, width, dtype=torch.bfloat16) / 32, randn(width, hidden_width, dtype=torch.bfloat16) / 64,
                 randn(width, dtype=torch.bfloat16)) for _ in range(blocks)]
