@@ -5,8 +5,9 @@ Real Qwen3-VL-2B shapes, random bf16 weights, a 512-token prompt, KV bucket 1024
   host read between chunks): the GPU's time per step;
 - "chunked_ms": the same steps through `runner.token_steps`, which reads each chunk's tokens on the host: the
   difference is the host turnaround between chunks, per step;
-- "forced": device_ms with each measured choice of this batch size forced to each of its candidates (does the
-  isolated timing that picks them agree with the step?);
+- "settled": the near-tied choices (`runner.settle_near_ties`, as `model.warmup` runs it) and each candidate's ms/step;
+- "forced": device_ms with each measured choice of this batch size forced to each of its candidates (do the choices,
+  timed alone or settled in the step, agree with the step?);
 - "pdl": device_ms with programmatic dependent launch off and on, the measured choices as they are;
 - "kernels_batch1": every kernel of one batch-1 step in launch order, with its microseconds.
 Run: python bench/step_probe.py
@@ -72,8 +73,12 @@ results = {}
 for batch in (1, 4, 8):
     ours.generate(**text_prompt(ours.config, batch, 512, "cuda", torch.Generator().manual_seed(batch)),
                   max_new_tokens=16, do_sample=False)  # a request of this size: measures the choices
+    runner.settle_near_ties(batch, 1024, "greedy")
+    runner.graphs.clear()  # captured before the settling
     runner.unfinished[:batch] = True
-    row = {"device_ms": device_ms(batch), "chunked_ms": chunked_ms(batch), "forced": {}}
+    settled = {f"{op} {shape}": per_step for (op, shape, _), per_step in Triton.step_timings.items()
+               if shape.startswith(f"{batch}x")}
+    row = {"device_ms": device_ms(batch), "chunked_ms": chunked_ms(batch), "settled": settled, "forced": {}}
     keys = [key for key in Triton.choices
             if key[1].startswith(f"{batch}x") or key[1].startswith(f"{batch} rows x 1024 slots")]
     for key in keys:

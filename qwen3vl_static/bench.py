@@ -312,15 +312,17 @@ def run(args) -> dict:
         "graphs_captured": {"decode": len(ours._runner.graphs), "prefill": len(ours._prefill_runner.graphs),
                             "vision": len(ours.model.visual.runner.graphs)},
         "decode_ops": ours._runner.ops.__name__,
-        # Which form each decode op took (0: cuBLAS / separate kernels, then the fused candidates), and the timings.
-        "measured_choices": {f"{op} {shape}": {"choice": ours._runner.ops.choices[key], "us": us}
-                             for key, us in getattr(ours._runner.ops, "timings", {}).items() for op, shape, _ in [key]},
+        # Which form each decode op took (0: cuBLAS / separate kernels, then the fused candidates), its candidates'
+        # microseconds timed alone and, for near ties, the whole step's milliseconds with each.
+        "measured_choices": {f"{op} {shape}": {"choice": ops.choices[key], "us": us, "step_ms": ops.step_timings.get(key)}
+                             for ops in [ours._runner.ops] for key, us in getattr(ops, "timings", {}).items()
+                             for op, shape, _ in [key]},
         "kv_cache_gb": cache_gb,
         "static_buffers_gb": buffers_gb,
         "graph_pool_reserved_gb_after_warmup": graph_pool_gb,
         # Seconds of the warmup in its compile-ahead pass (compiling the Triton kernels, or loading them from
-        # Triton's disk cache, plus one eager run of every step) and in capturing. The compiling itself is the
-        # difference between a cold run (empty cache) and a warm one.
+        # Triton's disk cache, plus one eager run of every step), in settling near-tied choices in the whole step and
+        # in capturing. The compiling itself is the difference between a cold run (empty cache) and a warm one.
         "warmup_seconds": warmup_report,
         "graph_equals_eager_static_path": graph_equals_eager_static,
         "gpu_profile": breakdown,

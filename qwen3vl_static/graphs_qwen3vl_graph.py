@@ -258,6 +258,41 @@ class DecodeRunner:
         self.graphs[(rows, kv_len, mode)] = graph
         return graph
 
+    def settle_near_ties(self, rows: int, kv_len: int, mode: str) -> None:
+        """Settle the measured choices of the step for `rows` rows whose candidates timed alone nearly tie
+        (`ops.near_ties`) by timing the whole step's graph with each of them, one choice after another (`warmup` does
+        this before capturing a batch size's graphs; graphs captured before keep their choices)."""
+        step, state = self.graph_step(rows, kv_len, mode)
+        with self.capturer.restoring(state):
+            step()  # measures the step's choices alone first
+        ops = self.ops
+        for key in ops.near_ties(self.input_ids.device, rows):
+            times = ops.timings[key]
+            per_step = [None] * len(times)
+            for index, us in enumerate(times):
+                if us <= ops.NEAR_TIE * min(times):
+                    ops.choices[key] = index
+                    graph = self.capturer.capture(step, state, name=f"decode ({rows} rows, {key[0]} candidate {index})")
+                    per_step[index] = self.replay_ms(graph, state)
+            ops.step_timings[key] = per_step
+            ops.choices[key] = min((ms, index) for index, ms in enumerate(per_step) if ms is not None)[1]
+
+    def replay_ms(self, graph, state, chunks: int = 3) -> float:
+        """Milliseconds per replay of a step graph, the fastest of `chunks` chunks of `steps_per_sync` replays back to
+        back; `state` (what the step advances) is restored afterwards."""
+        best = float("inf")
+        with self.capturer.restoring(state):
+            for _ in range(chunks):
+                self.chunk_step.zero_()  # a chunk's steps record their tokens in its `steps_per_sync` columns
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(self.steps_per_sync):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / self.steps_per_sync)
+        return best
+
     def warmup_keys(self, batch_sizes, cache_lengths, modes) -> list:
         """The (batch bucket, KV bucket, mode) graphs covering these sizes, largest first (later graphs then fit
         in the memory the pool already holds), after checking the sizes fit."""

@@ -71,6 +71,11 @@ class TorchDecodeOps:
         """Compile ahead what `calls` would launch: the torch ops have nothing to compile."""
 
     @staticmethod
+    def near_ties(device, rows) -> list:
+        """Measured choices to time again in the whole step (`TritonDecodeOps.near_ties`): the torch ops make none."""
+        return []
+
+    @staticmethod
     def rotary_components(rotary_emb, device):
         """What `decode_rotary` needs to compute a step's rotary tables itself; the torch ops take the stock module's."""
         return None
@@ -647,6 +652,9 @@ class TritonDecodeOps(TorchDecodeOps):
     SPIN_CYCLES = 1_000_000
     choices = {}  # (op, shape description, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
+    # Candidates timed alone within this factor of the fastest are timed again in the whole step (`near_ties`).
+    NEAR_TIE = 1.05
+    step_timings = {}  # the keys settled that way -> each candidate's ms per step (None: not a near tie)
     tickets = {}  # device -> the counters `ticket` returns
     TICKETS = 256
     PDL = True  # programmatic dependent launch where the device has it (bench/step_probe.py times it off and on)
@@ -762,6 +770,16 @@ class TritonDecodeOps(TorchDecodeOps):
             logger.info(f"{op} {shape}: " + ", ".join(f"candidate {index} {us:.1f} us" for index, us in enumerate(times))
                         + f"; using {choice}")
         return candidates[choice]()
+
+    @classmethod
+    def near_ties(cls, device, rows) -> list:
+        """The measured choices for `rows`-row operands on `device` whose candidates timed alone came within NEAR_TIE
+        of each other, not yet settled in the step. Alone, a call misses how it overlaps its real neighbours under
+        PDL: on an H200 the fused QKV form was 0.16 µs slower alone and 0.017 ms/step faster in the step at batch 1
+        (bench/results/*session7-final*step-probe.json), so `DecodeRunner.settle_near_ties` times the whole step."""
+        return [key for key, times in cls.timings.items()
+                if key[2] == device and key[1].startswith(f"{rows}x") and key not in cls.step_timings
+                and sum(us <= cls.NEAR_TIE * min(times) for us in times) > 1]
 
     @classmethod
     def precompile(cls, calls) -> None:

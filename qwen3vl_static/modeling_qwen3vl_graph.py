@@ -80,7 +80,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         self._static_cache = None
         self._runner = self._prefill_runner = None
         # The last `warmup()`: seconds of its compile-ahead pass ("compile": compiling, plus each step's first eager
-        # run) and of capturing ("capture"); graphs captured.
+        # run), of settling near-tied kernel choices in the whole step ("settle") and of capturing ("capture"); graphs
+        # captured.
         self.warmup_report = {}
         # One request at a time owns the cache and the runner's buffers.
         self._generate_lock = threading.RLock()
@@ -212,14 +213,20 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             # first meet them.
             runner.capturer.precompile(runner.ops, [owner.graph_step(*key) for owner, key in pending])
             compiled = time.perf_counter()
+            # Near-tied measured choices are settled in the whole step, before a batch size's graphs bake them in.
+            for rows, kv_len, mode in {key[0]: key for owner, key in pending if owner is runner}.values():
+                runner.settle_near_ties(rows, kv_len, mode)
+            settled = time.perf_counter()
             for owner, key in tqdm(pending, desc="Capturing CUDA graphs"):
                 owner.capture(*key)
             torch.cuda.synchronize()
             done = time.perf_counter()
-            self.warmup_report = {"compile": compiled - began, "capture": done - compiled, "graphs": len(pending)}
+            self.warmup_report = {"compile": compiled - began, "settle": settled - compiled, "capture": done - settled,
+                                  "graphs": len(pending)}
             logger.info(f"Compiled ahead the kernels of {len(pending)} CUDA graphs in {compiled - began:.2f} s (one "
-                        f"eager run of each step included; Triton caches the kernels on disk for later processes) "
-                        f"and captured the graphs in {done - compiled:.2f} s")
+                        f"eager run of each step included; Triton caches the kernels on disk for later processes), "
+                        f"settled near-tied kernel choices in the whole step in {settled - compiled:.2f} s and "
+                        f"captured the graphs in {done - settled:.2f} s")
             return done - began
 
     def _sample(

@@ -61,6 +61,26 @@ def test_graph_equals_eager_static_path(models):
     assert ours._runner.graphs and ours._prefill_runner.graphs and ours.model.visual.runner.graphs
 
 
+def test_near_tied_choices_are_settled_by_the_whole_step(models, monkeypatch):
+    """With every candidate counted as a near tie, warmup times the whole step with each candidate of each measured
+    choice and keeps the fastest there; the graphs it captures still reproduce the eager path."""
+    ours, _ = models
+    ops = ours._runner.ops
+    if not hasattr(ops, "step_timings"):
+        pytest.skip("the torch decode ops make no measured choices")
+    monkeypatch.setattr(ops, "NEAR_TIE", float("inf"))
+    ours.static_cache()
+    ours.warmup(batch_sizes=[2], cache_lengths=[300], modes=("greedy",), prompt_lengths=[100], image_patches=[])
+    assert ours.warmup_report["settle"] > 0
+    settled = {key: per_step for key, per_step in ops.step_timings.items() if key[1].startswith("2x")}
+    assert settled and all(len(ops.timings[key]) > 1 for key in settled)
+    for key, per_step in settled.items():
+        assert None not in per_step and len(per_step) == len(ops.timings[key])
+        assert per_step[ops.choices[key]] == min(per_step)
+    prompt = text_prompt(ours.config, 2, 100, "cuda", torch.Generator().manual_seed(3))
+    assert generate(ours, prompt, 40).tolist() == generate(ours, prompt, 40, graphs=False).tolist()
+
+
 def test_torch_ops_graph_equals_eager_and_stays_close_to_the_kernels(models):
     """The torch reference ops (no Triton) on the GPU: graphs reproduce their eager path too."""
     ours, _ = models
