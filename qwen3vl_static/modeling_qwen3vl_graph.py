@@ -208,6 +208,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             if not runner.use_graphs:
                 return 0.0
             runner.idle()
+            prefill.idle()
             began = time.perf_counter()
             # Every kernel these graphs launch, compiled at once on a thread pool rather than one by one as captures
             # first meet them.

@@ -97,6 +97,12 @@ class PrefillRunner:
             self.step(*key, padded)
         return self.logits[:batch].clone()
 
+    def idle(self) -> None:
+        """Inputs for warm-up steps, in bounds for every bucket: text token 0 at position 0, each token padding (it still
+        sees itself), the output read at token 0 (a previous, longer prompt's last token lies past a smaller bucket)."""
+        for buffer in (self.input_ids, self.positions, self.valid, self.modality, self.last):
+            buffer.zero_()
+
     def bucket(self, batch: int, length: int):
         """(rows, tokens) bucket of a prompt, or None when it runs at its exact size (CPU, or over the budget)."""
         if not self.bucketed or length > self.token_buckets[-1]:

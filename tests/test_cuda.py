@@ -63,7 +63,8 @@ def test_graph_equals_eager_static_path(models):
 
 def test_near_tied_choices_are_settled_by_the_whole_step(models, monkeypatch):
     """With every candidate counted as a near tie, warmup times the whole step with each candidate of each measured
-    choice and keeps the fastest there; the graphs it captures still reproduce the eager path."""
+    choice and keeps the fastest there; the graphs it captures still reproduce the eager path. (This warmup follows
+    longer prompts: its prefill steps must not read at a previous prompt's last token, past their bucket.)"""
     ours, _ = models
     ops = ours._runner.ops
     if not hasattr(ops, "step_timings"):
