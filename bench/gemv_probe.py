@@ -3,7 +3,7 @@
 For each weight shape of Qwen3-VL-2B's decode step and 1, 2, 4, 8 rows (bf16): microseconds per call of F.linear and
 of `TritonDecodeOps.skinny_matmul` with the tiling its rule picks and with alternatives (is the rule right?). Timed as
 in the step: 28 calls over distinct weight copies (read from HBM, not L2) captured in one CUDA graph, replays timed
-with CUDA events. Also what `TritonDecodeOps.linear` measures and picks by itself on first use.
+with CUDA events; the Triton calls follow each other under programmatic dependent launch where the device has it. Also what `TritonDecodeOps.linear` measures and picks by itself on first use.
 Run: python bench/gemv_probe.py (about half a minute, most of it compiling the tilings)
 """
 
@@ -45,7 +45,9 @@ def tilings(n, k):
         "split-x2": rule._replace(split_k=2 * rule.split_k),
         "n32-k256": TritonDecodeOps.skinny_config(n, k, sms, block_n=32, block_k=256),
         "n128-k64": TritonDecodeOps.skinny_config(n, k, sms, block_n=128, block_k=64),
-        "w8-s3": rule._replace(num_warps=8, num_stages=3),
+        "w8": rule._replace(num_warps=8),
+        "s2": rule._replace(num_stages=2),
+        "s6": rule._replace(num_stages=6),
     }
 
 
