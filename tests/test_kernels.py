@@ -370,6 +370,7 @@ def test_skinny_config_splits_narrow_matrices_only():
     wide, narrow = Triton.skinny_config(151936, 2048, sms=132), Triton.skinny_config(2048, 6144, sms=132)
     assert wide.split_k == 1 and narrow.split_k > 1
     assert 6144 // narrow.split_k >= 2 * narrow.block_k  # every K range takes at least two steps
+    assert 2048 // narrow.block_n * narrow.split_k <= 132 < 2048 // narrow.block_n * narrow.split_k * 2  # one per SM
     whole_sums = Triton.skinny_config(6144, 2048, sms=132, can_split=False)  # SwiGLU epilogue: narrower tiles instead
     assert whole_sums.split_k == 1 and whole_sums.block_n == 32
 
