@@ -662,8 +662,8 @@ class TritonDecodeOps(TorchDecodeOps):
     @classmethod
     def linear(cls, x, weight, bias=None):
         """cuBLAS or the skinny Triton matmul, whichever measured faster on this device for these (M, N, K, dtype).
-        The skinny matmul runs at the rule's tiling and with a 6-stage pipeline (in chains of 28 calls on an H200,
-        the gate/up projection took 14.4 µs with 6 stages against 15.4 with 4; the others, split, were slower with 6).
+        The skinny matmul runs at the rule's tiling and with a 6-stage pipeline: on an H200, 6 stages won for the
+        split projections (o_proj, down_proj, QKV) and 4 for gate/up (bench/results/*session8-final-ab7f33d.json).
         A bias (no Qwen3-VL checkpoint has one) keeps cuBLAS, which adds it."""
         if bias is not None or not cls.skinny(x, weight):
             return F.linear(x, weight, bias)
