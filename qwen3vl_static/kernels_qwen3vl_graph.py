@@ -229,8 +229,18 @@ if triton is not None:
         tl.store(out + cols, (x * rstd * w).to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr):
+    def _load_summed(source, offsets, keep, splits, split_stride, dtype):
+        """A projection's output at `source + offsets` from its `splits` float32 partial products (a split-K skinny
+        matmul's, `split_stride` apart; or the output itself, splits == 1), rounded to `dtype` as the projection
+        rounds it; returned in float32. So the kernel after a split-K matmul sums its partials as it loads them."""
+        total = tl.load(source + offsets, mask=keep, other=0.0).to(tl.float32)
+        for split in range(1, splits):
+            total += tl.load(source + split * split_stride + offsets, mask=keep, other=0.0)
+        return total.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, splits, split_stride,
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         _wait_then_release(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -238,7 +248,8 @@ if triton is not None:
         x = tl.load(hidden + row * n_cols + cols, mask=keep, other=0.0)
         if HAS_DELTA:
             # The sum is rounded to storage precision first, exactly as `hidden + delta` would be.
-            x = (x.to(tl.float32) + tl.load(delta + row * n_cols + cols, mask=keep, other=0.0).to(tl.float32)).to(x.dtype)
+            delta_x = _load_summed(delta, row * n_cols + cols, keep, splits, split_stride, x.dtype)
+            x = (x.to(tl.float32) + delta_x).to(x.dtype)
             tl.store(sum_out + row * n_cols + cols, x, mask=keep)
         _store_rms_norm(x, cols, keep, weight, norm_out + row * n_cols, n_cols, eps)
 
@@ -270,13 +281,13 @@ if triton is not None:
         return x * tl.load(cos + dims).to(tl.float32) + x_rolled * signed_sin
 
     @triton.jit
-    def _normed_rotated(base, heads, keep, weight, cos, sin, eps, HEAD_DIM: tl.constexpr):
-        """`_norm_rope` of the heads `heads` (a column of head indices, `keep` masking it) of one token at `base`;
-        `(len(heads), HEAD_DIM)`."""
+    def _normed_rotated(base, heads, keep, weight, cos, sin, eps, splits, split_stride, dtype, HEAD_DIM: tl.constexpr):
+        """`_norm_rope` of the heads `heads` (a column of head indices, `keep` masking it) of one token at `base` (its
+        `splits` partials, `_load_summed`); `(len(heads), HEAD_DIM)`."""
         dims = tl.arange(0, HEAD_DIM)[None, :]
         rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
-        x = tl.load(base + heads * HEAD_DIM + dims, mask=keep, other=0.0).to(tl.float32)
-        x_rolled = tl.load(base + heads * HEAD_DIM + rolled, mask=keep, other=0.0).to(tl.float32)
+        x = _load_summed(base, heads * HEAD_DIM + dims, keep, splits, split_stride, dtype)
+        x_rolled = _load_summed(base, heads * HEAD_DIM + rolled, keep, splits, split_stride, dtype)
         return _norm_rope(x, x_rolled, weight, cos, sin, eps, HEAD_DIM)
 
     @triton.jit
@@ -316,12 +327,13 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_write_kernel(
-        qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, eps,
+        qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, eps, splits, split_stride,
         stride_cache_row, stride_cache_head, stride_cache_slot,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
         """One (token, KV head) per program: its query heads, normed and rotated, to `q_out`; its key, normed and
-        rotated, and its value into the cache. q and k are rounded once to the storage dtype."""
+        rotated, and its value into the cache. q and k are rounded once to the storage dtype. `qkv` is the projection's
+        output or its `splits` float32 partials (`_load_summed`)."""
         _wait_then_release(PDL)
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -330,15 +342,18 @@ if triton is not None:
         group = tl.arange(0, GROUP_PAD)[:, None]
         one = tl.arange(0, 1)[:, None]
         dims = tl.arange(0, HEAD_DIM)[None, :]
-        q = _normed_rotated(base, kv_head * GROUP + group, group < GROUP, q_weight, cos, sin, eps, HEAD_DIM)
-        k = _normed_rotated(base, KV_HEADS * GROUP + kv_head + one, one == 0, k_weight, cos, sin, eps, HEAD_DIM)
-        v = tl.load(base + (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + dims)
         dtype = q_out.dtype.element_ty
+        q = _normed_rotated(base, kv_head * GROUP + group, group < GROUP, q_weight, cos, sin, eps, splits, split_stride,
+                            dtype, HEAD_DIM)
+        k = _normed_rotated(base, KV_HEADS * GROUP + kv_head + one, one == 0, k_weight, cos, sin, eps, splits,
+                            split_stride, dtype, HEAD_DIM)
+        v = _load_summed(base, (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + dims, one == 0, splits,
+                         split_stride, dtype)
         tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q.to(dtype), mask=group < GROUP)
         slot = (tl.load(cache_rows + row) * stride_cache_row + kv_head * stride_cache_head
                 + tl.load(cache_slots + row) * stride_cache_slot + dims)
         tl.store(keys + slot, k.to(dtype))
-        tl.store(values + slot, v)
+        tl.store(values + slot, v.to(dtype))
 
     @triton.jit
     def _decode_rotary_kernel(positions, stride_component, stride_row, components, inv_freq, scaling, cos, sin,
@@ -667,9 +682,8 @@ class TritonDecodeOps(TorchDecodeOps):
         A bias (no Qwen3-VL checkpoint has one) keeps cuBLAS, which adds it."""
         if bias is not None or not cls.skinny(x, weight):
             return F.linear(x, weight, bias)
-        rule = cls.skinny_config(*weight.shape, cls.sm_count(x.device))
         candidates = (lambda: F.linear(x, weight), *(lambda config=config: cls.skinny_matmul(x, weight, config)
-                                                      for config in (rule, rule._replace(num_stages=6))))
+                                                      for config in cls.stage_configs(weight)))
         return cls.measured("linear", cls.matmul_shape(x, weight), x.device, candidates)
 
     @classmethod
@@ -684,27 +698,38 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def linear_add_rms_norm(cls, x, weight, bias, hidden, norm_weight, eps):
-        """The projection then the add-and-norm kernel, or one skinny matmul whose last program adds and norms (at the
-        rule's split of K, or half of it): whichever measured fastest."""
+        """Whichever measured fastest of: the projection then the add-and-norm kernel; the skinny matmul's partial
+        products, summed by the add-and-norm kernel (4 or 6 stages); one skinny matmul whose last program adds and
+        norms (at the rule's split of K, or half of it)."""
         separate = lambda: super(TritonDecodeOps, cls).linear_add_rms_norm(x, weight, bias, hidden, norm_weight, eps)  # noqa: E731
         if bias is not None or not cls.skinny(x, weight):
             return separate()
+        summed_by_norm = [lambda config=config: cls.add_rms_norm(hidden, cls.skinny_matmul(x, weight, config, partials=True),
+                                                                 norm_weight, eps)
+                          for config in cls.stage_configs(weight)]
         fused = [lambda config=config: cls.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps))
                  for config in cls.split_configs(weight)]
-        return cls.measured("linear_add_rms_norm", cls.matmul_shape(x, weight), x.device, (separate, *fused))
+        return cls.measured("linear_add_rms_norm", cls.matmul_shape(x, weight), x.device,
+                            (separate, *summed_by_norm, *fused))
 
     @classmethod
     def qkv_norm_rope_write(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots):
-        """The QKV projection then the QK-norm/RoPE/write kernel, or one launch of both (`fused_qkv`, at the rule's
-        split of K or half of it): whichever measured fastest."""
+        """Whichever measured fastest of: the QKV projection then the QK-norm/RoPE/write kernel; the skinny matmul's
+        partial products, summed by that kernel (4 or 6 stages); one launch of both (`fused_qkv`, at the rule's split
+        of K or half of it)."""
         separate = lambda: super(TritonDecodeOps, cls).qkv_norm_rope_write(  # noqa: E731
             x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots)
         if not cls.skinny(x, qkv_weight):
             return separate()
+        summed_by_norm = [lambda config=config: cls.qk_norm_rope_write(cls.skinny_matmul(x, qkv_weight, config, partials=True),
+                                                                       heads, *qk_norms, rotary, keys, values, cache_rows,
+                                                                       cache_slots)
+                          for config in cls.stage_configs(qkv_weight)]
         fused = [lambda config=config: cls.fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows,
                                                      cache_slots, config)
                  for config in cls.split_configs(qkv_weight)]
-        return cls.measured("qkv_norm_rope_write", cls.matmul_shape(x, qkv_weight), x.device, (separate, *fused))
+        return cls.measured("qkv_norm_rope_write", cls.matmul_shape(x, qkv_weight), x.device,
+                            (separate, *summed_by_norm, *fused))
 
     @classmethod
     def fused_qkv(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots, config):
@@ -726,11 +751,23 @@ class TritonDecodeOps(TorchDecodeOps):
         return q
 
     @classmethod
+    def stage_configs(cls, weight) -> tuple:
+        """The skinny matmul's rule for `weight` on its device, with a 4- and a 6-stage pipeline: the tilings a plain
+        projection is measured at."""
+        rule = cls.rule_config(weight)
+        return rule, rule._replace(num_stages=6)
+
+    @classmethod
     def split_configs(cls, weight) -> list:
         """The skinny matmul's rule for `weight` on its device, and the same with half the K split: the tilings a
         fused epilogue is measured at."""
-        rule = cls.skinny_config(*weight.shape, cls.sm_count(weight.device))
+        rule = cls.rule_config(weight)
         return list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
+
+    @classmethod
+    def rule_config(cls, weight) -> SkinnyConfig:
+        """`skinny_config`'s rule for `weight` on its device."""
+        return cls.skinny_config(*weight.shape, cls.sm_count(weight.device))
 
     @classmethod
     def pdl(cls, device) -> bool:
@@ -870,11 +907,13 @@ class TritonDecodeOps(TorchDecodeOps):
         return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
     @classmethod
-    def skinny_matmul(cls, x, weight, config=None, swiglu=False, add_rms_norm=None):
+    def skinny_matmul(cls, x, weight, config=None, swiglu=False, add_rms_norm=None, partials=False):
         """`x @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
         unit-stride along K; `config` (a SkinnyConfig) overrides the rule. `swiglu`: `weight` is a fused gate/up
         matrix and the result is SwiGLU of the product, `(M, N / 2)`. `add_rms_norm`: (hidden, norm weight, eps);
-        returns `add_rms_norm(hidden, x @ weight.T, ...)` instead, from the same launch."""
+        returns `add_rms_norm(hidden, x @ weight.T, ...)` instead, from the same launch. `partials`: returns the K
+        ranges' float32 partial products `(splits, M, N)` unsummed, for the next kernel to sum as it loads them
+        (`add_rms_norm`, `qk_norm_rope_write`): no launch of their own to sum them."""
         rows, k = x.shape
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if config is None:
@@ -885,7 +924,8 @@ class TritonDecodeOps(TorchDecodeOps):
             raise ValueError("the SwiGLU epilogue needs whole sums: split_k must be 1")
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         fused_norm = add_rms_norm is not None
-        parts = out if splits == 1 and not fused_norm else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+        parts = (out if splits == 1 and not (fused_norm or partials)
+                 else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device))
         hidden, norm_weight, eps = add_rms_norm if fused_norm else (out, out, 0.0)
         sums = torch.empty_like(hidden) if fused_norm else out
         ticket = cls.ticket(x.device) if fused_norm else out
@@ -898,6 +938,8 @@ class TritonDecodeOps(TorchDecodeOps):
         )
         if fused_norm:
             return sums, out
+        if partials:
+            return parts
         if splits > 1:
             block = 1024
             _launch(_sum_splits_kernel, (triton.cdiv(rows * n, block),), parts, out, rows * n, splits, BLOCK=block)
@@ -951,26 +993,31 @@ class TritonDecodeOps(TorchDecodeOps):
     @staticmethod
     def rms_norm(x, weight, eps):
         out = torch.empty_like(x)
-        _launch(_add_rms_norm_kernel, (x.shape[0],), x, x, weight, x, out, x.shape[1], eps, HAS_DELTA=False,
+        _launch(_add_rms_norm_kernel, (x.shape[0],), x, x, weight, x, out, x.shape[1], eps, 1, 0, HAS_DELTA=False,
                 BLOCK=triton.next_power_of_2(x.shape[1]))
         return out
 
     @staticmethod
     def add_rms_norm(hidden, delta, weight, eps):
+        """`delta` is the projection's output, or its float32 partial products `(splits, rows, N)`
+        (`skinny_matmul(..., partials=True)`), summed and rounded here."""
         total, out = torch.empty_like(hidden), torch.empty_like(hidden)
         _launch(_add_rms_norm_kernel, (hidden.shape[0],), hidden, delta, weight, total, out, hidden.shape[1], eps,
-                HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden.shape[1]))
+                delta.numel() // hidden.numel(), hidden.numel(), HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden.shape[1]))
         return total, out
 
     @staticmethod
     def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots):
-        rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
-        q = torch.empty(rows, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        """`qkv` is the projection's output `(rows, N)`, or its float32 partial products `(splits, rows, N)`
+        (`skinny_matmul(..., partials=True)`), summed and rounded here."""
+        rows, n = qkv.shape[-2:]
+        kv_heads, head_dim = keys.shape[1], keys.shape[-1]
+        q = torch.empty(rows, heads, head_dim, dtype=keys.dtype, device=qkv.device)
         cos, sin = rotary
         group = heads // kv_heads
         _launch(_qk_norm_rope_write_kernel, (rows, kv_heads),
-            qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, eps,
-            keys.stride(0), keys.stride(1), keys.stride(2),
+            qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, eps, qkv.numel() // (rows * n),
+            rows * n, keys.stride(0), keys.stride(1), keys.stride(2),
             GROUP=group, GROUP_PAD=triton.next_power_of_2(group), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
         return q

@@ -86,9 +86,11 @@ def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
-def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k):
-    """The QKV projection with QK-norm/RoPE/KV write in its epilogue (each head's last program) against the
-    projection then the reference ops; column tiles of half a head. Only each row's slot is written."""
+@pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
+def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form):
+    """The QKV projection with QK-norm/RoPE/KV write in its epilogue (each head's last program; column tiles of half a
+    head), or its partial products summed by the QK-norm/RoPE/write kernel, against the projection then the reference
+    ops. Only each row's slot is written."""
     heads, kv_heads, dim, hidden, slots = 4, 2, 32, 96, 20
     x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
     qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
@@ -101,8 +103,14 @@ def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k):
                                       Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_rows, cache_slots)
     config = kernels.SkinnyConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
     with poisoned_empty():
-        q = Triton.fused_qkv(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows, cache_slots,
-                             config)
+        if form == "fused":
+            q = Triton.fused_qkv(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows,
+                                 cache_slots, config)
+        else:
+            parts = Triton.skinny_matmul(x, qkv_weight, config, partials=True)
+            assert parts.shape == (config.split_k, rows, qkv_weight.shape[0]) and parts.dtype == torch.float32
+            q = Triton.qk_norm_rope_write(parts, heads, *qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows,
+                                          cache_slots)
     assert_close_at_scale(q, q_ref)
     written = torch.zeros(rows + 1, slots, dtype=torch.bool, device=DEVICE)
     written[cache_rows, cache_slots] = True
@@ -242,6 +250,12 @@ def test_linear_add_rms_norm_fused_and_chosen(dtype, rows, split_k):
     assert_matmul_close(total, (x, weight, hidden), lambda x, weight, hidden: hidden + x @ weight.T)
     torch.testing.assert_close(normed, Torch.rms_norm(total, norm_weight, 1e-6), **TOLERANCE[dtype])
     assert not Triton.ticket(x.device).any()
+    with poisoned_empty():  # the partials summed by the add-and-norm kernel instead
+        parts = Triton.skinny_matmul(x, weight, config, partials=True)
+        assert parts.shape == (split_k, rows, 100) and parts.dtype == torch.float32
+        summed = Triton.add_rms_norm(hidden, parts, norm_weight, 1e-6)
+    for got, expected in zip(summed, (total, normed)):  # the same sums, rounded once, as the fused form
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
     either = Triton.linear_add_rms_norm(x, weight, None, hidden, norm_weight, 1e-6)  # whichever form measured faster
     for got, expected in zip(either, Torch.linear_add_rms_norm(x, weight, None, hidden, norm_weight, 1e-6)):
         torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
