@@ -266,14 +266,12 @@ class DecodeRunner:
         with self.capturer.restoring(state):
             step()  # measures the step's choices alone first
         ops = self.ops
-        for key in ops.near_ties(self.input_ids.device, rows):
-            times = ops.timings[key]
-            per_step = [None] * len(times)
-            for index, us in enumerate(times):
-                if us <= ops.NEAR_TIE * min(times):
-                    ops.choices[key] = index
-                    graph = self.capturer.capture(step, state, name=f"decode ({rows} rows, {key[0]} candidate {index})")
-                    per_step[index] = self.replay_ms(graph, state)
+        for key, indices in ops.near_ties(self.input_ids.device, rows).items():
+            per_step = [None] * len(ops.timings[key])
+            for index in indices:
+                ops.choices[key] = index
+                graph = self.capturer.capture(step, state, name=f"decode ({rows} rows, {key[0]} candidate {index})")
+                per_step[index] = self.replay_ms(graph, state)
             ops.step_timings[key] = per_step
             ops.choices[key] = min((ms, index) for index, ms in enumerate(per_step) if ms is not None)[1]
 

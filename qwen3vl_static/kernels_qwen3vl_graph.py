@@ -71,9 +71,9 @@ class TorchDecodeOps:
         """Compile ahead what `calls` would launch: the torch ops have nothing to compile."""
 
     @staticmethod
-    def near_ties(device, rows) -> list:
+    def near_ties(device, rows) -> dict:
         """Measured choices to time again in the whole step (`TritonDecodeOps.near_ties`): the torch ops make none."""
-        return []
+        return {}
 
     @staticmethod
     def rotary_components(rotary_emb, device):
@@ -668,7 +668,7 @@ class TritonDecodeOps(TorchDecodeOps):
     choices = {}  # (op, shape description, device) -> index of the candidate that measured fastest
     timings = {}  # the same keys -> each candidate's microseconds (reported by the benchmark)
     # Candidates timed alone within this factor of the fastest are timed again in the whole step (`near_ties`).
-    NEAR_TIE = 1.05
+    NEAR_TIE = 1.10
     step_timings = {}  # the keys settled that way -> each candidate's ms per step (None: not a near tie)
     tickets = {}  # device -> the counters `ticket` returns
     TICKETS = 256
@@ -813,14 +813,17 @@ class TritonDecodeOps(TorchDecodeOps):
         return candidates[choice]()
 
     @classmethod
-    def near_ties(cls, device, rows) -> list:
-        """The measured choices for `rows`-row operands on `device` whose candidates timed alone came within NEAR_TIE
-        of each other, not yet settled in the step. Alone, a call misses how it overlaps its real neighbours under
-        PDL: on an H200 the fused QKV form was 0.16 µs slower alone and 0.017 ms/step faster in the step at batch 1
-        (bench/results/*session7-final*step-probe.json), so `DecodeRunner.settle_near_ties` times the whole step."""
-        return [key for key, times in cls.timings.items()
-                if key[2] == device and key[1].startswith(f"{rows}x") and key not in cls.step_timings
-                and sum(us <= cls.NEAR_TIE * min(times) for us in times) > 1]
+    def near_ties(cls, device, rows) -> dict:
+        """The measured choices for `rows`-row operands on `device`, not yet settled in the step, whose candidates
+        timed alone came within NEAR_TIE of the fastest: {key: those candidates' indices}, for two or more. Alone, a
+        call misses how it overlaps its real neighbours under PDL: on an H200 the fused QKV form was 0.16 µs slower
+        alone and 0.017 ms/step faster in the step at batch 1 (bench/results/*session7-final*step-probe.json), 9%
+        slower alone and 0.066 ms/step faster at batch 4 (*session9-summed-by-norm*step-probe.json), so
+        `DecodeRunner.settle_near_ties` times the whole step."""
+        ties = {key: [index for index, us in enumerate(times) if us <= cls.NEAR_TIE * min(times)]
+                for key, times in cls.timings.items()
+                if key[2] == device and key[1].startswith(f"{rows}x") and key not in cls.step_timings}
+        return {key: indices for key, indices in ties.items() if len(indices) > 1}
 
     @classmethod
     def precompile(cls, calls) -> None:
