@@ -3,7 +3,8 @@
 For each weight shape of Qwen3-VL-2B's decode step and 1, 2, 4, 8 rows (bf16): microseconds per call of F.linear and
 of `TritonDecodeOps.skinny_matmul` with the tiling its rule picks and with alternatives (is the rule right?). Timed as
 in the step: 28 calls over distinct weight copies (read from HBM, not L2) captured in one CUDA graph, replays timed
-with CUDA events; the Triton calls follow each other under programmatic dependent launch where the device has it. Also what `TritonDecodeOps.linear` measures and picks by itself on first use.
+with CUDA events; the Triton calls follow each other under programmatic dependent launch where the device has it.
+Also what `TritonDecodeOps.linear` measures and picks by itself on first use.
 Run: python bench/gemv_probe.py (about half a minute, most of it compiling the tilings)
 """
 
