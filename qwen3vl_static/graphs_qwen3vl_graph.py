@@ -266,7 +266,9 @@ class DecodeRunner:
         with self.capturer.restoring(state):
             step()  # measures the step's choices alone first
         ops = self.ops
-        for key, indices in ops.near_ties(self.input_ids.device, rows).items():
+        # Latest measured first: a choice whose candidate runs another measured op (the separate forms) was measured
+        # after it, and settling it first decides whether the inner choice runs in the step at all.
+        for key, indices in reversed(ops.near_ties(self.input_ids.device, rows).items()):
             per_step = [None] * len(ops.timings[key])
             for index in indices:
                 ops.choices[key] = index

@@ -215,10 +215,14 @@ if triton is not None:
         previous one still runs: it waits for that kernel's results (all of them, flushed), then lets the next kernel
         launch, which waits in turn. So each kernel's launch and start overlap its predecessor's tail, and every
         kernel still sees the results of all before it (releasing only after the wait keeps one kernel waiting at a
-        time, not a chain holding the SMs)."""
-        if PDL:
+        time, not a chain holding the SMs). PDL == 2 releases before the wait instead, so the next kernel's programs
+        can be resident and waiting before this one's inputs are ready (`TritonDecodeOps.RELEASE_BEFORE_WAIT`)."""
+        if PDL == 1:
             gdc_wait()
             gdc_launch_dependents()
+        if PDL == 2:
+            gdc_launch_dependents()
+            gdc_wait()
 
     @triton.jit
     def _store_rms_norm(x, cols, keep, weight, out, n_cols, eps):
@@ -372,14 +376,21 @@ if triton is not None:
     def _decode_attention_kernel(
         q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
         stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
+        q_weight, k_weight, cos, sin, eps, qkv_splits, split_stride,
         SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, FROM_QKV: tl.constexpr, PDL: tl.constexpr,
     ):
         """Decode attention of one new token per row, flash-decoding's first pass: a program per (row, KV head, chunk
         of CHUNK slots) takes the softmax of the KV head's query group over its chunk, one tile (row r's cache is
-        cache row r, the new token's K/V already in it).
+        cache row r).
 
-        The cache loads come first and depend on the row's length alone: slots up to the new token's were all
+        `q`: the queries, normed and rotated, the new token's K/V already in the cache. FROM_QKV: `q` is the QKV
+        projection's output or its `qkv_splits` float32 partials (`_load_summed`) instead, and each program norms
+        and rotates its queries itself (`_qk_norm_rope_write_kernel`'s math and roundings); the program whose chunk
+        holds the new token's slot also norms and rotates its key, writes key and value there and uses them as
+        loaded from there. So QK-norm, RoPE and the cache write cost no launch of their own.
+
+        The cache loads come first and depend on the row's length alone: slots before the new token's were all
         written (the prefill writes left padding too), and the ones the row does not attend to (left padding) are
         zeroed after loading, so whatever they hold drops out. Slots past the new token are never read."""
         _wait_then_release(PDL)
@@ -389,16 +400,36 @@ if triton is not None:
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
         slots = split * CHUNK + tl.arange(0, CHUNK)
-        written = slots <= tl.load(cache_lens + row)
+        new_slot = tl.load(cache_lens + row)
+        cached = slots < new_slot if FROM_QKV else slots <= new_slot
         cache = row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot + dims[None, :]
-        k = tl.load(keys + cache, mask=written[:, None], other=0.0)
-        v = tl.load(values + cache, mask=written[:, None], other=0.0)
-        readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
+        k = tl.load(keys + cache, mask=cached[:, None], other=0.0)
+        v = tl.load(values + cache, mask=cached[:, None], other=0.0)
+        readable = tl.load(attendable + row * stride_attendable + slots, mask=slots <= new_slot, other=0) != 0
+        heads = kv_head * GROUP + group
+        if FROM_QKV:
+            dtype = keys.dtype.element_ty
+            base = q + row * (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM
+            cos, sin = cos + row * HEAD_DIM, sin + row * HEAD_DIM
+            one = tl.arange(0, 1)[:, None]
+            queries = _normed_rotated(base, heads[:, None], group[:, None] < GROUP, q_weight, cos, sin, eps, qkv_splits,
+                                      split_stride, dtype, HEAD_DIM).to(dtype)
+            new_k = _normed_rotated(base, KV_HEADS * GROUP + kv_head + one, one == 0, k_weight, cos, sin, eps,
+                                    qkv_splits, split_stride, dtype, HEAD_DIM).to(dtype)
+            new_v = _load_summed(base, (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + dims[None, :], one == 0,
+                                 qkv_splits, split_stride, dtype).to(dtype)
+            is_new = slots[:, None] == new_slot
+            k = tl.where(is_new, new_k, k)
+            v = tl.where(is_new, new_v, v)
+            slot = row * stride_cache_row + kv_head * stride_cache_head + new_slot * stride_cache_slot + dims[None, :]
+            owner = one + new_slot // CHUNK == split  # (1, 1): whether this chunk holds the new slot
+            tl.store(keys + slot, new_k, mask=owner)
+            tl.store(values + slot, new_v, mask=owner)
+        else:
+            queries = tl.load(q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
+                              mask=group[:, None] < GROUP, other=0.0)
         k = tl.where(readable[:, None], k, 0.0)
         v = tl.where(readable[:, None], v, 0.0)
-        heads = kv_head * GROUP + group
-        queries = tl.load(q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
-                          mask=group[:, None] < GROUP, other=0.0)
         scores = tl.dot(queries, tl.trans(k)).to(tl.float32) * scale
         scores = tl.where(readable[None, :], scores, float("-inf"))
         best = tl.max(scores, axis=1)
@@ -447,25 +478,22 @@ if triton is not None:
         tl.store(out + row * n_cols + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _gemv_tile(x, weight, rows, cols, n_cols, k_len, k_start, k_split, stride_x, stride_w,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UP: tl.constexpr):
-        """`weight[cols] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most ROWS
-        rows: each weight tile is read once, coalesced along K, and serves every row (the narrow side of a `tl.dot`,
-        padded to ROWS, its minimum). UP: also the columns `n_cols` further down (SwiGLU's up projection)."""
+    def _gemv_tile(x, weight, rows, weight_rows, live_rows, k_len, k_start, k_split, stride_x, stride_w,
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`weight[weight_rows] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most
+        ROWS rows of x (`live_rows` masks the weight rows): each weight tile is read once, coalesced along K, and serves
+        every row (the narrow side of a `tl.dot`, padded to ROWS, its minimum)."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
-        up_acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
         for start in range(k_start, k_start + k_split, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            tile = cols[:, None] * stride_w + ks[None, :]
-            live = (cols[:, None] < n_cols) & (ks[None, :] < k_len)
+            tile = weight_rows[:, None] * stride_w + ks[None, :]
+            live = live_rows[:, None] & (ks[None, :] < k_len)
             x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
                           other=0.0)
             acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
-            if UP:
-                up_acc = tl.dot(tl.load(weight + n_cols * stride_w + tile, mask=live, other=0.0), x_t, up_acc)
-        return acc, up_acc
+        return acc
 
     @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
@@ -477,8 +505,9 @@ if triton is not None:
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
         itself, or this K range's float32 partial `(splits, rows, n_cols)`.
 
-        SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program also computes the up columns that
-        go with its gate columns and stores silu(gate) * up, rounded as the separate ops round (one K range).
+        SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program's tile is BLOCK_N / 2 gate rows and
+        the up rows of the same columns, one `tl.dot` as wide as a plain projection's, and it stores silu(gate) * up
+        for those BLOCK_N / 2 columns, rounded as the separate ops round (one K range).
 
         ADD_RMS_NORM: `out` takes the float32 partials and the last program to finish (a ticket counts them) sums
         them, rounds y, adds it to `hidden` (the residual stream) and stores the sum and its RMSNorm, rounded as the
@@ -488,15 +517,22 @@ if triton is not None:
         weights before the wait, loading the first weight tile before the wait, and releasing the next kernel only
         after the loop's loads.)"""
         _wait_then_release(PDL)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
-        acc, up_acc = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                                 ROWS, BLOCK_N, BLOCK_K, SWIGLU)
-        keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         if SWIGLU:
-            gate = acc.to(out.dtype.element_ty).to(tl.float32)
-            acc = gate / (1.0 + tl.exp(-gate)) * up_acc.to(out.dtype.element_ty).to(tl.float32)
+            tile_rows = tl.arange(0, BLOCK_N)
+            cols = tl.program_id(0) * (BLOCK_N // 2) + tile_rows % (BLOCK_N // 2)
+            acc = _gemv_tile(x, weight, rows, cols + tile_rows // (BLOCK_N // 2) * n_cols, cols < n_cols, k_len,
+                             split * k_split, k_split, stride_x, stride_w, ROWS, BLOCK_N, BLOCK_K)
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, ROWS)), (1, 2, 0)))
+            gate = gate.to(out.dtype.element_ty).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * up.to(out.dtype.element_ty).to(tl.float32)
+            cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        else:
+            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = _gemv_tile(x, weight, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
+                             ROWS, BLOCK_N, BLOCK_K)
+        keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
         if ADD_RMS_NORM:
             # The barrier puts all of this program's stores before the ticket's release; the ticket's acquire puts
@@ -588,8 +624,8 @@ if triton is not None:
         n_cols = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
-        acc, _ = _gemv_tile(x, weight, rows, cols, n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                            ROWS, BLOCK_N, BLOCK_K, False)
+        acc = _gemv_tile(x, weight, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
+                         ROWS, BLOCK_N, BLOCK_K)
         row_ids = tl.arange(0, ROWS)
         tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
         head = tl.program_id(0) * BLOCK_N // HEAD_DIM
@@ -649,7 +685,8 @@ def _launch(kernel, grid, *args, **kwargs):
     with a PDL argument launch with programmatic dependent launch where the device has it (`TritonDecodeOps.pdl`)."""
     if "PDL" in kernel.arg_names:
         pdl = TritonDecodeOps.pdl(next(arg.device for arg in args if isinstance(arg, torch.Tensor)))
-        kwargs.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+        mode = (2 if TritonDecodeOps.RELEASE_BEFORE_WAIT else 1) if pdl else 0
+        kwargs.update(PDL=mode, **({"launch_pdl": True} if pdl else {}))
     if _COMPILING.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
@@ -673,6 +710,7 @@ class TritonDecodeOps(TorchDecodeOps):
     tickets = {}  # device -> the counters `ticket` returns
     TICKETS = 256
     PDL = True  # programmatic dependent launch where the device has it (bench/step_probe.py times it off and on)
+    RELEASE_BEFORE_WAIT = False  # under PDL, each kernel lets the next launch before it waits (`_wait_then_release`)
 
     @classmethod
     def linear(cls, x, weight, bias=None):
@@ -683,18 +721,20 @@ class TritonDecodeOps(TorchDecodeOps):
         if bias is not None or not cls.skinny(x, weight):
             return F.linear(x, weight, bias)
         candidates = (lambda: F.linear(x, weight), *(lambda config=config: cls.skinny_matmul(x, weight, config)
-                                                      for config in cls.stage_configs(weight)))
+                                                      for config in cls.stage_configs(cls.rule_config(weight))))
         return cls.measured("linear", cls.matmul_shape(x, weight), x.device, candidates)
 
     @classmethod
     def linear_swiglu(cls, x, gate_up_weight):
-        """The gate/up projection then the SwiGLU kernel, or one skinny matmul with SwiGLU as its epilogue: whichever
-        measured faster. (Column tiles half as wide, twice the programs, measured slower on an H200.)"""
+        """The gate/up projection then the SwiGLU kernel, or one skinny matmul with SwiGLU as its epilogue (4 or 6
+        stages): whichever measured fastest."""
         separate = lambda: super(TritonDecodeOps, cls).linear_swiglu(x, gate_up_weight)  # noqa: E731
         if not cls.skinny(x, gate_up_weight):
             return separate()
-        fused = lambda: cls.skinny_matmul(x, gate_up_weight, swiglu=True)  # noqa: E731
-        return cls.measured("linear_swiglu", cls.matmul_shape(x, gate_up_weight), x.device, (separate, fused))
+        rule = cls.skinny_config(*gate_up_weight.shape, cls.sm_count(x.device), can_split=False)
+        fused = [lambda config=config: cls.skinny_matmul(x, gate_up_weight, config, swiglu=True)
+                 for config in cls.stage_configs(rule)]
+        return cls.measured("linear_swiglu", cls.matmul_shape(x, gate_up_weight), x.device, (separate, *fused))
 
     @classmethod
     def linear_add_rms_norm(cls, x, weight, bias, hidden, norm_weight, eps):
@@ -706,7 +746,7 @@ class TritonDecodeOps(TorchDecodeOps):
             return separate()
         summed_by_norm = [lambda config=config: cls.add_rms_norm(hidden, cls.skinny_matmul(x, weight, config, partials=True),
                                                                  norm_weight, eps)
-                          for config in cls.stage_configs(weight)]
+                          for config in cls.stage_configs(cls.rule_config(weight))]
         fused = [lambda config=config: cls.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps))
                  for config in cls.split_configs(weight)]
         return cls.measured("linear_add_rms_norm", cls.matmul_shape(x, weight), x.device,
@@ -724,7 +764,7 @@ class TritonDecodeOps(TorchDecodeOps):
         summed_by_norm = [lambda config=config: cls.qk_norm_rope_write(cls.skinny_matmul(x, qkv_weight, config, partials=True),
                                                                        heads, *qk_norms, rotary, keys, values, cache_rows,
                                                                        cache_slots)
-                          for config in cls.stage_configs(qkv_weight)]
+                          for config in cls.stage_configs(cls.rule_config(qkv_weight))]
         fused = [lambda config=config: cls.fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows,
                                                      cache_slots, config)
                  for config in cls.split_configs(qkv_weight)]
@@ -750,12 +790,10 @@ class TritonDecodeOps(TorchDecodeOps):
         )
         return q
 
-    @classmethod
-    def stage_configs(cls, weight) -> tuple:
-        """The skinny matmul's rule for `weight` on its device, with a 4- and a 6-stage pipeline: the tilings a plain
-        projection is measured at."""
-        rule = cls.rule_config(weight)
-        return rule, rule._replace(num_stages=6)
+    @staticmethod
+    def stage_configs(rule) -> tuple:
+        """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection is measured at."""
+        return rule._replace(num_stages=4), rule._replace(num_stages=6)
 
     @classmethod
     def split_configs(cls, weight) -> list:
@@ -920,7 +958,7 @@ class TritonDecodeOps(TorchDecodeOps):
         rows, k = x.shape
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if config is None:
-            config = cls.skinny_config(n, k, cls.sm_count(x.device), can_split=not swiglu)
+            config = cls.skinny_config(*weight.shape, cls.sm_count(x.device), can_split=not swiglu)
         k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
         splits = triton.cdiv(k, k_split)
         if swiglu and splits > 1:
@@ -932,7 +970,7 @@ class TritonDecodeOps(TorchDecodeOps):
         hidden, norm_weight, eps = add_rms_norm if fused_norm else (out, out, 0.0)
         sums = torch.empty_like(hidden) if fused_norm else out
         ticket = cls.ticket(x.device) if fused_norm else out
-        _launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n), splits),
+        _launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n // 2 if swiglu else config.block_n), splits),
             x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
             hidden, norm_weight, sums, out, eps, ticket, splits,
             ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
@@ -1037,24 +1075,44 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def decode_attention(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
-        """`qkv_norm_rope_write`, then flash-decoding in two launches: chunks, then their merge. (Fusing QK-norm/RoPE/KV
-        write into the chunks' launch, and the merge into their last programs, timed faster alone on an H200 but made
-        the whole step slower at every batch size: bench/results/*step-probe.json.)"""
-        attendable, cache_rows = context
-        rows, kv_heads, head_dim = x.shape[0], keys.shape[1], keys.shape[-1]
+        """Whichever measured faster: `qkv_norm_rope_write` then `attention_chunks` on its q; or the QKV projection's
+        partial products (4 or 6 stages) into `attention_chunks`, which norms, rotates and writes the new K/V itself.
+        (Merging the chunks in their last programs timed faster alone on an H200 but made the whole step slower at
+        every batch size: bench/results/*7fc70f2-step-probe.json.)"""
+        attendable, _ = context
+        chunks = lambda source, from_qkv: cls.attention_chunks(  # noqa: E731
+            source, from_qkv, heads, qk_norms, rotary, keys, values, cache_lens, attendable, kv_len, scale)
+        separate = lambda: chunks(cls.qkv_norm_rope_write(  # noqa: E731
+            x, qkv_weight, heads, qk_norms, rotary, keys, values, context[1], cache_lens), False)
+        if not cls.skinny(x, qkv_weight):
+            return separate()
+        fused = [lambda config=config: chunks(cls.skinny_matmul(x, qkv_weight, config, partials=True), True)
+                 for config in cls.stage_configs(cls.rule_config(qkv_weight))]
+        return cls.measured("decode_attention", cls.matmul_shape(x, qkv_weight), x.device, (separate, *fused))
+
+    @classmethod
+    def attention_chunks(cls, source, from_qkv, heads, qk_norms, rotary, keys, values, cache_lens, attendable, kv_len,
+                         scale):
+        """Flash-decoding over the first `kv_len` slots in two launches, the chunks then their merge; `(rows, Hq * D)`.
+        `source`: q `(rows, Hq, D)`, normed and rotated, its K/V in the cache; or, `from_qkv`, the QKV projection's
+        output `(rows, N)` or float32 partials `(splits, rows, N)`, which the chunks' launch norms, rotates and writes
+        into the cache at slot `cache_lens[row]` of cache row `row` (`_decode_attention_kernel`)."""
+        rows, n = (source.shape[-2:] if from_qkv else (source.shape[0], heads * keys.shape[-1]))
+        kv_heads, head_dim = keys.shape[1], keys.shape[-1]
         group = heads // kv_heads
-        q = cls.qkv_norm_rope_write(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_lens)
+        (q_weight, k_weight, eps), (cos, sin) = qk_norms, rotary
         splits = triton.cdiv(kv_len, cls.CHUNK)
-        part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=x.device)
-        part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=x.device)
+        part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=source.device)
+        part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=source.device)
         part_sum = torch.empty_like(part_max)
         _launch(_decode_attention_kernel, (rows, kv_heads, splits),
-            q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+            source, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
+            q_weight, k_weight, cos, sin, eps, source.numel() // (rows * n), rows * n,
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim, FROM_QKV=from_qkv,
         )
-        out = torch.empty(rows, heads * head_dim, dtype=x.dtype, device=x.device)
+        out = torch.empty(rows, heads * head_dim, dtype=keys.dtype, device=source.device)
         _launch(_merge_kernel, (rows * heads,), part_out, part_max, part_sum, out, splits, GROUP=group,
                 HEAD_DIM=head_dim, MERGE_BLOCK=cls.MERGE_BLOCK)
         return out
