@@ -8,8 +8,7 @@ Real Qwen3-VL-2B shapes, random bf16 weights, a 512-token prompt, KV bucket 1024
 - "settled": the near-tied choices (`runner.settle_near_ties`, as `model.warmup` runs it) and each candidate's ms/step;
 - "forced": device_ms with each measured choice of this batch size forced to each of its candidates (do the choices,
   timed alone or settled in the step, agree with the step?);
-- "pdl": device_ms with programmatic dependent launch off, on, and on with each kernel releasing the next before
-  its own wait, the measured choices as they are;
+- "pdl": device_ms with programmatic dependent launch off and on, the measured choices as they are;
 - "kernels_batch1": every kernel of one batch-1 step in launch order, with its microseconds.
 Run: python bench/step_probe.py
 """
@@ -93,11 +92,10 @@ for batch in (1, 4, 8):
         runner.graphs.clear()
         row["forced"][f"{key[0]} {key[1]}"] = {"chosen": chosen, "isolated_us": Triton.timings[key], "step_ms": timings}
     row["pdl"] = {}
-    for pdl, early in ((False, False), (True, False), (True, True)):
-        Triton.PDL, Triton.RELEASE_BEFORE_WAIT = pdl, early
+    for pdl in (False, True):
+        Triton.PDL = pdl
         runner.graphs.clear()
-        row["pdl"][f"pdl={pdl}" + (" release before wait" if early else "")] = device_ms(batch)
-    Triton.RELEASE_BEFORE_WAIT = False
+        row["pdl"][f"pdl={pdl}"] = device_ms(batch)
     runner.graphs.clear()
     results[f"batch{batch}"] = row
     print(batch, json.dumps(row), flush=True)

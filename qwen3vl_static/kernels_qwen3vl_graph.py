@@ -215,14 +215,10 @@ if triton is not None:
         previous one still runs: it waits for that kernel's results (all of them, flushed), then lets the next kernel
         launch, which waits in turn. So each kernel's launch and start overlap its predecessor's tail, and every
         kernel still sees the results of all before it (releasing only after the wait keeps one kernel waiting at a
-        time, not a chain holding the SMs). PDL == 2 releases before the wait instead, so the next kernel's programs
-        can be resident and waiting before this one's inputs are ready (`TritonDecodeOps.RELEASE_BEFORE_WAIT`)."""
-        if PDL == 1:
+        time, not a chain holding the SMs)."""
+        if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        if PDL == 2:
-            gdc_launch_dependents()
-            gdc_wait()
 
     @triton.jit
     def _store_rms_norm(x, cols, keep, weight, out, n_cols, eps):
@@ -376,21 +372,14 @@ if triton is not None:
     def _decode_attention_kernel(
         q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
         stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
-        q_weight, k_weight, cos, sin, eps, qkv_splits, split_stride,
         SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, FROM_QKV: tl.constexpr, PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
         """Decode attention of one new token per row, flash-decoding's first pass: a program per (row, KV head, chunk
         of CHUNK slots) takes the softmax of the KV head's query group over its chunk, one tile (row r's cache is
-        cache row r).
+        cache row r, the new token's K/V already in it).
 
-        `q`: the queries, normed and rotated, the new token's K/V already in the cache. FROM_QKV: `q` is the QKV
-        projection's output or its `qkv_splits` float32 partials (`_load_summed`) instead, and each program norms
-        and rotates its queries itself (`_qk_norm_rope_write_kernel`'s math and roundings); the program whose chunk
-        holds the new token's slot also norms and rotates its key, writes key and value there and uses them as
-        loaded from there. So QK-norm, RoPE and the cache write cost no launch of their own.
-
-        The cache loads come first and depend on the row's length alone: slots before the new token's were all
+        The cache loads come first and depend on the row's length alone: slots up to the new token's were all
         written (the prefill writes left padding too), and the ones the row does not attend to (left padding) are
         zeroed after loading, so whatever they hold drops out. Slots past the new token are never read."""
         _wait_then_release(PDL)
@@ -400,36 +389,16 @@ if triton is not None:
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM)
         slots = split * CHUNK + tl.arange(0, CHUNK)
-        new_slot = tl.load(cache_lens + row)
-        cached = slots < new_slot if FROM_QKV else slots <= new_slot
+        written = slots <= tl.load(cache_lens + row)
         cache = row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot + dims[None, :]
-        k = tl.load(keys + cache, mask=cached[:, None], other=0.0)
-        v = tl.load(values + cache, mask=cached[:, None], other=0.0)
-        readable = tl.load(attendable + row * stride_attendable + slots, mask=slots <= new_slot, other=0) != 0
-        heads = kv_head * GROUP + group
-        if FROM_QKV:
-            dtype = keys.dtype.element_ty
-            base = q + row * (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM
-            cos, sin = cos + row * HEAD_DIM, sin + row * HEAD_DIM
-            one = tl.arange(0, 1)[:, None]
-            queries = _normed_rotated(base, heads[:, None], group[:, None] < GROUP, q_weight, cos, sin, eps, qkv_splits,
-                                      split_stride, dtype, HEAD_DIM).to(dtype)
-            new_k = _normed_rotated(base, KV_HEADS * GROUP + kv_head + one, one == 0, k_weight, cos, sin, eps,
-                                    qkv_splits, split_stride, dtype, HEAD_DIM).to(dtype)
-            new_v = _load_summed(base, (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + dims[None, :], one == 0,
-                                 qkv_splits, split_stride, dtype).to(dtype)
-            is_new = slots[:, None] == new_slot
-            k = tl.where(is_new, new_k, k)
-            v = tl.where(is_new, new_v, v)
-            slot = row * stride_cache_row + kv_head * stride_cache_head + new_slot * stride_cache_slot + dims[None, :]
-            owner = one + new_slot // CHUNK == split  # (1, 1): whether this chunk holds the new slot
-            tl.store(keys + slot, new_k, mask=owner)
-            tl.store(values + slot, new_v, mask=owner)
-        else:
-            queries = tl.load(q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
-                              mask=group[:, None] < GROUP, other=0.0)
+        k = tl.load(keys + cache, mask=written[:, None], other=0.0)
+        v = tl.load(values + cache, mask=written[:, None], other=0.0)
+        readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
         k = tl.where(readable[:, None], k, 0.0)
         v = tl.where(readable[:, None], v, 0.0)
+        heads = kv_head * GROUP + group
+        queries = tl.load(q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
+                          mask=group[:, None] < GROUP, other=0.0)
         scores = tl.dot(queries, tl.trans(k)).to(tl.float32) * scale
         scores = tl.where(readable[None, :], scores, float("-inf"))
         best = tl.max(scores, axis=1)
@@ -685,8 +654,7 @@ def _launch(kernel, grid, *args, **kwargs):
     with a PDL argument launch with programmatic dependent launch where the device has it (`TritonDecodeOps.pdl`)."""
     if "PDL" in kernel.arg_names:
         pdl = TritonDecodeOps.pdl(next(arg.device for arg in args if isinstance(arg, torch.Tensor)))
-        mode = (2 if TritonDecodeOps.RELEASE_BEFORE_WAIT else 1) if pdl else 0
-        kwargs.update(PDL=mode, **({"launch_pdl": True} if pdl else {}))
+        kwargs.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
     if _COMPILING.get():
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
@@ -710,7 +678,6 @@ class TritonDecodeOps(TorchDecodeOps):
     tickets = {}  # device -> the counters `ticket` returns
     TICKETS = 256
     PDL = True  # programmatic dependent launch where the device has it (bench/step_probe.py times it off and on)
-    RELEASE_BEFORE_WAIT = False  # under PDL, each kernel lets the next launch before it waits (`_wait_then_release`)
 
     @classmethod
     def linear(cls, x, weight, bias=None):
@@ -1075,44 +1042,25 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def decode_attention(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
-        """Whichever measured faster: `qkv_norm_rope_write` then `attention_chunks` on its q; or the QKV projection's
-        partial products (4 or 6 stages) into `attention_chunks`, which norms, rotates and writes the new K/V itself.
-        (Merging the chunks in their last programs timed faster alone on an H200 but made the whole step slower at
-        every batch size: bench/results/*7fc70f2-step-probe.json.)"""
-        attendable, _ = context
-        chunks = lambda source, from_qkv: cls.attention_chunks(  # noqa: E731
-            source, from_qkv, heads, qk_norms, rotary, keys, values, cache_lens, attendable, kv_len, scale)
-        separate = lambda: chunks(cls.qkv_norm_rope_write(  # noqa: E731
-            x, qkv_weight, heads, qk_norms, rotary, keys, values, context[1], cache_lens), False)
-        if not cls.skinny(x, qkv_weight):
-            return separate()
-        fused = [lambda config=config: chunks(cls.skinny_matmul(x, qkv_weight, config, partials=True), True)
-                 for config in cls.stage_configs(cls.rule_config(qkv_weight))]
-        return cls.measured("decode_attention", cls.matmul_shape(x, qkv_weight), x.device, (separate, *fused))
-
-    @classmethod
-    def attention_chunks(cls, source, from_qkv, heads, qk_norms, rotary, keys, values, cache_lens, attendable, kv_len,
-                         scale):
-        """Flash-decoding over the first `kv_len` slots in two launches, the chunks then their merge; `(rows, Hq * D)`.
-        `source`: q `(rows, Hq, D)`, normed and rotated, its K/V in the cache; or, `from_qkv`, the QKV projection's
-        output `(rows, N)` or float32 partials `(splits, rows, N)`, which the chunks' launch norms, rotates and writes
-        into the cache at slot `cache_lens[row]` of cache row `row` (`_decode_attention_kernel`)."""
-        rows, n = (source.shape[-2:] if from_qkv else (source.shape[0], heads * keys.shape[-1]))
-        kv_heads, head_dim = keys.shape[1], keys.shape[-1]
+        """`qkv_norm_rope_write`, then flash-decoding in two launches: chunks, then their merge. (Fusing QK-norm/RoPE/KV
+        write into the chunks' launch, and the merge into their last programs, made the whole step slower at every
+        batch size on an H200: bench/results/*7fc70f2-step-probe.json; under PDL, the write inside the chunks' launch
+        again, *session10-probe-3397fd5-step-probe.json.)"""
+        attendable, cache_rows = context
+        rows, kv_heads, head_dim = x.shape[0], keys.shape[1], keys.shape[-1]
         group = heads // kv_heads
-        (q_weight, k_weight, eps), (cos, sin) = qk_norms, rotary
+        q = cls.qkv_norm_rope_write(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_lens)
         splits = triton.cdiv(kv_len, cls.CHUNK)
-        part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=source.device)
-        part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=source.device)
+        part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=x.device)
+        part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=x.device)
         part_sum = torch.empty_like(part_max)
         _launch(_decode_attention_kernel, (rows, kv_heads, splits),
-            source, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+            q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
             keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
-            q_weight, k_weight, cos, sin, eps, source.numel() // (rows * n), rows * n,
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            KV_HEADS=kv_heads, HEAD_DIM=head_dim, FROM_QKV=from_qkv,
+            KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
-        out = torch.empty(rows, heads * head_dim, dtype=keys.dtype, device=source.device)
+        out = torch.empty(rows, heads * head_dim, dtype=x.dtype, device=x.device)
         _launch(_merge_kernel, (rows * heads,), part_out, part_max, part_sum, out, splits, GROUP=group,
                 HEAD_DIM=head_dim, MERGE_BLOCK=cls.MERGE_BLOCK)
         return out

@@ -122,13 +122,10 @@ def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_len", [64, 160])
-@pytest.mark.parametrize("form", ["chosen", "separate", "from-output", "from-partials"])
-def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtype, kv_len, form):
-    """Decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge) against the reference ops: as
-    measured; the QK-norm/RoPE/write kernel then the chunks; the chunks' launch norming, rotating and writing from
-    the projection's output or from its split-K partial products. Every slot it must not read (unwritten, the new
-    token's own slot included until it is written) or attend to (left padding) holds NaN, so using one poisons the
-    output; only each row's new slot may change."""
+def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtype, kv_len):
+    """Decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge) against the reference ops. Every
+    slot it must not read (unwritten, the new token's own slot included until it is written) or attend to (left
+    padding) holds NaN, so using one poisons the output; only each row's new slot may change."""
     rows, heads, kv_heads, dim, capacity, hidden = 3, 4, 2, 32, 160, 64
     x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
     qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
@@ -153,17 +150,9 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
                                      dim**-0.5)
     k, v = (tensor.clone() for tensor in poisoned)
     context = Triton.attention_context(attendable[:rows], torch.arange(rows, device=DEVICE), cache_lens, kv_len, dtype)
-    rotary, config = Triton.rotary(cos, sin), kernels.SkinnyConfig(block_n=16, block_k=32, split_k=2, num_warps=4, num_stages=2)
-    chunks = lambda source, from_qkv: Triton.attention_chunks(  # noqa: E731
-        source, from_qkv, heads, qk_norms, rotary, k, v, cache_lens, context[0], kv_len, dim**-0.5)
     with poisoned_empty():  # the partial results and the output
-        if form == "chosen":
-            out = Triton.decode_attention(x, qkv_weight, heads, qk_norms, rotary, k, v, cache_lens, context, kv_len, dim**-0.5)
-        elif form == "separate":
-            out = chunks(Triton.qk_norm_rope_write(Triton.skinny_matmul(x, qkv_weight, config), heads, *qk_norms, rotary,
-                                                   k, v, context[1], cache_lens), False)
-        else:
-            out = chunks(Triton.skinny_matmul(x, qkv_weight, config, partials=form == "from-partials"), True)
+        out = Triton.decode_attention(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), k, v, cache_lens, context, kv_len,
+                                      dim**-0.5)
     assert_close_at_scale(out, out_ref)
     new = torch.zeros(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
     new[torch.arange(rows, device=DEVICE), cache_lens] = True
@@ -358,19 +347,19 @@ def test_dependent_launches_see_their_inputs():
         return h, x
 
     outputs, graphs = {}, {}
-    for mode in ((False, False), (True, False), (True, True)):  # (PDL, release before wait)
-        Triton.PDL, Triton.RELEASE_BEFORE_WAIT = mode
+    for pdl in (False, True):
+        Triton.PDL = pdl
         try:
             mlp_blocks()  # compiles
-            graphs[mode] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[mode]):
-                outputs[mode] = mlp_blocks()
+            graphs[pdl] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[pdl]):
+                outputs[pdl] = mlp_blocks()
             for _ in range(20):
-                graphs[mode].replay()
-                assert all(torch.equal(a, b) for a, b in zip(outputs[mode], outputs[False, False]))
+                graphs[pdl].replay()
+                assert all(torch.equal(a, b) for a, b in zip(outputs[pdl], outputs[False]))
         finally:
-            Triton.PDL, Triton.RELEASE_BEFORE_WAIT = True, False
-    assert outputs[True, True][1].isfinite().all()
+            Triton.PDL = True
+    assert outputs[True][1].isfinite().all()
 
 
 @pytest.mark.skipif(not hasattr(kernels.triton, "AsyncCompileMode"), reason="needs triton.AsyncCompileMode")
