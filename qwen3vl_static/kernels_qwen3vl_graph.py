@@ -36,9 +36,6 @@ logger = logging.get_logger(__name__)
 
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
 SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages")
-# Decode attention's output before flash-decoding's merge: `splits` chunks' float32 partial outputs `out`
-# `(rows * heads * splits, head_dim)`, largest scores `max` and softmax sums `sum`, in (row, head, chunk) order.
-AttentionChunks = namedtuple("AttentionChunks", "out max sum rows heads splits dtype")
 
 
 def fuse_weights(linears) -> torch.Tensor:
@@ -408,45 +405,36 @@ if triton is not None:
         weights = tl.exp(scores - tl.where(best == float("-inf"), 0.0, best)[:, None])  # an empty chunk: no NaN
         # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
         acc = tl.dot(weights, v.to(tl.float32))
-        part = (row * KV_HEADS * GROUP + heads) * SPLITS + split  # (row, query head, chunk) order
+        part = ((row * KV_HEADS + kv_head) * SPLITS + split) * GROUP + group
         live = group < GROUP
         tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
         tl.store(part_max + part, best, mask=live)
         tl.store(part_sum + part, tl.sum(weights, axis=1), mask=live)
 
     @triton.jit
-    def _merge_chunks(part_out, part_max, part_sum, pair, splits, first, top, total, merged, CHUNKS: tl.constexpr,
-                      HEAD_DIM: tl.constexpr):
-        """Flash-decoding's second pass for one (row, query head) `pair`: its chunks [first, first + CHUNKS) of
-        `splits` (`_decode_attention_kernel`'s partial softmaxes) folded into the running largest score `top`, softmax
-        sum `total` and float32 output `merged` `(HEAD_DIM,)`; the merged output is merged / total."""
-        dims = tl.arange(0, HEAD_DIM)
-        chunk = first + tl.arange(0, CHUNKS)
-        index = pair * splits + chunk
-        got = chunk < splits
-        chunk_max = tl.load(part_max + index, mask=got, other=float("-inf"))
-        new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
-        base = tl.where(new_top == float("-inf"), 0.0, new_top)
-        weights = tl.where(got, tl.exp(chunk_max - base), 0.0)
-        correction = tl.exp(top - base)
-        total = total * correction + tl.sum(tl.load(part_sum + index, mask=got, other=0.0) * weights, axis=0)
-        chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0)
-        merged = merged * correction + tl.sum(chunk_out * weights[:, None], axis=0)
-        return new_top, total, merged
-
-    @triton.jit
-    def _merge_kernel(part_out, part_max, part_sum, out, splits, HEAD_DIM: tl.constexpr, CHUNKS: tl.constexpr,
-                      PDL: tl.constexpr):
-        """One program per (row, query head): its chunks merged (`_merge_chunks`), CHUNKS at a time, rounded once."""
+    def _merge_kernel(part_out, part_max, part_sum, out, SPLITS, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      MERGE_BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Flash-decoding's second pass: one program per (row, query head) merges its chunks' partial softmaxes."""
         _wait_then_release(PDL)
-        pair = tl.program_id(0)
+        pair, head = tl.program_id(0) // GROUP, tl.program_id(0) % GROUP  # pair: (row, KV head)
+        dims = tl.arange(0, HEAD_DIM)
         top = tl.full((), float("-inf"), tl.float32)
         total = tl.zeros((), tl.float32)
         merged = tl.zeros((HEAD_DIM,), tl.float32)
-        for first in range(0, splits, CHUNKS):
-            top, total, merged = _merge_chunks(part_out, part_max, part_sum, pair, splits, first, top, total, merged,
-                                               CHUNKS, HEAD_DIM)
-        tl.store(out + pair * HEAD_DIM + tl.arange(0, HEAD_DIM), (merged / total).to(out.dtype.element_ty))
+        for first in range(0, SPLITS, MERGE_BLOCK):
+            chunk = first + tl.arange(0, MERGE_BLOCK)
+            index = (pair * SPLITS + chunk) * GROUP + head
+            got = chunk < SPLITS
+            chunk_max = tl.load(part_max + index, mask=got, other=float("-inf"))
+            new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
+            base = tl.where(new_top == float("-inf"), 0.0, new_top)
+            weights = tl.where(got, tl.exp(chunk_max - base), 0.0)
+            correction = tl.exp(top - base)
+            total = total * correction + tl.sum(tl.load(part_sum + index, mask=got, other=0.0) * weights, axis=0)
+            chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0)
+            merged = merged * correction + tl.sum(chunk_out * weights[:, None], axis=0)
+            top = new_top
+        tl.store(out + (pair * GROUP + head) * HEAD_DIM + dims, (merged / total).to(out.dtype.element_ty))
 
     @triton.jit
     def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -460,16 +448,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_tile(x, weight, rows, weight_rows, live_rows, k_len, k_start, k_split, stride_x, stride_w,
-                   part_max, part_sum, chunks, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   MERGE_ROWS: tl.constexpr, CHUNKS: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """`weight[weight_rows] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most
         ROWS rows of x (`live_rows` masks the weight rows): each weight tile is read once, coalesced along K, and serves
-        every row (the narrow side of a `tl.dot`, padded to ROWS, its minimum).
-
-        MERGE_ROWS: x is attention's output for MERGE_ROWS rows, still in `chunks` <= CHUNKS chunks (`x` their partial
-        outputs, `part_max`, `part_sum`: `_decode_attention_kernel`'s); each K step of BLOCK_K (one head) merges its
-        head in one pass (`_merge_chunks`: no inner loop, so the K loop stays pipelined) and rounds it as the merge
-        kernel would store it."""
+        every row (the narrow side of a `tl.dot`, padded to ROWS, its minimum)."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
@@ -477,33 +459,20 @@ if triton is not None:
             ks = start + tl.arange(0, BLOCK_K)
             tile = weight_rows[:, None] * stride_w + ks[None, :]
             live = live_rows[:, None] & (ks[None, :] < k_len)
-            if MERGE_ROWS:
-                x_t = tl.zeros((BLOCK_K, ROWS), tl.float32)
-                for row in tl.static_range(MERGE_ROWS):
-                    _, total, merged = _merge_chunks(
-                        x, part_max, part_sum, row * (k_len // BLOCK_K) + start // BLOCK_K, chunks, 0,
-                        tl.full((), float("-inf"), tl.float32), tl.zeros((), tl.float32),
-                        tl.zeros((BLOCK_K,), tl.float32), CHUNKS, BLOCK_K)
-                    x_t = tl.where(row_ids[None, :] == row, (merged / total)[:, None], x_t)
-                x_t = x_t.to(weight.dtype.element_ty)
-            else:
-                x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
-                              mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0)
+            x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
+                          other=0.0)
             acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
         return acc
 
-    # One compiled variant for every row count and number of attention chunks (Triton would single out 1).
-    @triton.jit(do_not_specialize=["rows", "splits", "chunks"])
+    @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
         x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
-        hidden, norm_weight, sum_out, norm_out, eps, ticket, splits, part_max, part_sum, chunks,
+        hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
-        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, MERGE_ROWS: tl.constexpr, CHUNKS: tl.constexpr,
-        PDL: tl.constexpr,
+        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PDL: tl.constexpr,
     ):
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
-        itself, or this K range's float32 partial `(splits, rows, n_cols)`. MERGE_ROWS: x is attention's output still
-        in chunks, merged as it is loaded (`_gemv_tile`).
+        itself, or this K range's float32 partial `(splits, rows, n_cols)`.
 
         SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program's tile is BLOCK_N / 2 gate rows and
         the up rows of the same columns, one `tl.dot` as wide as a plain projection's, and it stores silu(gate) * up
@@ -523,8 +492,7 @@ if triton is not None:
             tile_rows = tl.arange(0, BLOCK_N)
             cols = tl.program_id(0) * (BLOCK_N // 2) + tile_rows % (BLOCK_N // 2)
             acc = _gemv_tile(x, weight, rows, cols + tile_rows // (BLOCK_N // 2) * n_cols, cols < n_cols, k_len,
-                             split * k_split, k_split, stride_x, stride_w, part_max, part_sum, chunks, ROWS, BLOCK_N,
-                             BLOCK_K, MERGE_ROWS, CHUNKS)
+                             split * k_split, k_split, stride_x, stride_w, ROWS, BLOCK_N, BLOCK_K)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, ROWS)), (1, 2, 0)))
             gate = gate.to(out.dtype.element_ty).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up.to(out.dtype.element_ty).to(tl.float32)
@@ -532,7 +500,7 @@ if triton is not None:
         else:
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = _gemv_tile(x, weight, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                             part_max, part_sum, chunks, ROWS, BLOCK_N, BLOCK_K, MERGE_ROWS, CHUNKS)
+                             ROWS, BLOCK_N, BLOCK_K)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
         if ADD_RMS_NORM:
@@ -626,7 +594,7 @@ if triton is not None:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         acc = _gemv_tile(x, weight, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                         x, x, 1, ROWS, BLOCK_N, BLOCK_K, 0, 1)
+                         ROWS, BLOCK_N, BLOCK_K)
         row_ids = tl.arange(0, ROWS)
         tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
         head = tl.program_id(0) * BLOCK_N // HEAD_DIM
@@ -697,7 +665,7 @@ class TritonDecodeOps(TorchDecodeOps):
     """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output."""
 
     CHUNK = 64  # KV slots per flash-decoding program (one tile)
-    MERGE_BLOCK = 32  # chunks merged per step of flash-decoding's merge kernel
+    MERGE_BLOCK = 32  # chunks merged per step of flash-decoding's merge
     SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
     # GPU cycles (~0.5 ms) of busy wait before each timed call: longer than the host takes to launch the call's kernels
     # (0.1 ms, with each kernel launched from the host, let a slow host's launches into the timings on an H200).
@@ -739,12 +707,7 @@ class TritonDecodeOps(TorchDecodeOps):
     def linear_add_rms_norm(cls, x, weight, bias, hidden, norm_weight, eps):
         """Whichever measured fastest of: the projection then the add-and-norm kernel; the skinny matmul's partial
         products, summed by the add-and-norm kernel (4 or 6 stages); one skinny matmul whose last program adds and
-        norms (at the rule's split of K, or half of it).
-
-        `x` may be decode attention's unmerged chunks (o_proj, `decode_attention`): merged by `merge_chunks` first,
-        or, for one row, as the skinny matmul loads them (its K steps one head wide), whichever measured faster."""
-        if isinstance(x, AttentionChunks):
-            return cls.chunks_linear_add_rms_norm(x, weight, bias, hidden, norm_weight, eps)
+        norms (at the rule's split of K, or half of it)."""
         separate = lambda: super(TritonDecodeOps, cls).linear_add_rms_norm(x, weight, bias, hidden, norm_weight, eps)  # noqa: E731
         if bias is not None or not cls.skinny(x, weight):
             return separate()
@@ -755,20 +718,6 @@ class TritonDecodeOps(TorchDecodeOps):
                  for config in cls.split_configs(weight)]
         return cls.measured("linear_add_rms_norm", cls.matmul_shape(x, weight), x.device,
                             (separate, *summed_by_norm, *fused))
-
-    @classmethod
-    def chunks_linear_add_rms_norm(cls, chunks, weight, bias, hidden, norm_weight, eps):
-        """`linear_add_rms_norm` of attention's merged `chunks` (see there)."""
-        separate = lambda: cls.linear_add_rms_norm(cls.merge_chunks(chunks), weight, bias, hidden, norm_weight, eps)  # noqa: E731
-        head_dim = chunks.out.shape[-1]
-        if bias is not None or chunks.rows != 1 or weight.stride(1) != 1:
-            return separate()
-        # 6 stages only (they won for o_proj's partials at every batch size on an H200, session 9): a compiled variant
-        # per number of chunks (KV bucket) already.
-        config = cls.rule_config(weight)._replace(block_k=head_dim, num_stages=6)
-        merged = lambda: cls.add_rms_norm(hidden, cls.skinny_matmul(chunks, weight, config, partials=True), norm_weight, eps)  # noqa: E731
-        shape = f"{chunks.rows}x{weight.shape[1]}->{weight.shape[0]} {str(chunks.dtype).removeprefix('torch.')} chunks"
-        return cls.measured("linear_add_rms_norm", shape, hidden.device, (separate, merged))
 
     @classmethod
     def qkv_norm_rope_write(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots):
@@ -972,16 +921,8 @@ class TritonDecodeOps(TorchDecodeOps):
         matrix and the result is SwiGLU of the product, `(M, N / 2)`. `add_rms_norm`: (hidden, norm weight, eps);
         returns `add_rms_norm(hidden, x @ weight.T, ...)` instead, from the same launch. `partials`: returns the K
         ranges' float32 partial products `(splits, M, N)` unsummed, for the next kernel to sum as it loads them
-        (`add_rms_norm`, `qk_norm_rope_write`): no launch of their own to sum them. `x` may be decode attention's
-        unmerged chunks (`AttentionChunks`), merged as they are loaded: K steps of `config.block_k` = one head."""
-        merging = isinstance(x, AttentionChunks)
-        if merging:
-            chunks, x = x, x.out
-            if config is None or config.block_k != x.shape[-1]:
-                raise ValueError("merging attention chunks needs K steps one head wide: config.block_k == head_dim")
-            rows, k = chunks.rows, weight.shape[1]
-        else:
-            rows, k = x.shape
+        (`add_rms_norm`, `qk_norm_rope_write`): no launch of their own to sum them."""
+        rows, k = x.shape
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if config is None:
             config = cls.skinny_config(*weight.shape, cls.sm_count(x.device), can_split=not swiglu)
@@ -989,7 +930,7 @@ class TritonDecodeOps(TorchDecodeOps):
         splits = triton.cdiv(k, k_split)
         if swiglu and splits > 1:
             raise ValueError("the SwiGLU epilogue needs whole sums: split_k must be 1")
-        out = torch.empty(rows, n, dtype=weight.dtype, device=x.device)
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         fused_norm = add_rms_norm is not None
         parts = (out if splits == 1 and not (fused_norm or partials)
                  else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device))
@@ -998,10 +939,9 @@ class TritonDecodeOps(TorchDecodeOps):
         ticket = cls.ticket(x.device) if fused_norm else out
         _launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n // 2 if swiglu else config.block_n), splits),
             x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
-            hidden, norm_weight, sums, out, eps, ticket, splits, *((chunks.max, chunks.sum, chunks.splits) if merging else (x, x, 1)),
+            hidden, norm_weight, sums, out, eps, ticket, splits,
             ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
-            ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), MERGE_ROWS=rows if merging else 0,
-            CHUNKS=triton.next_power_of_2(chunks.splits) if merging else 1, num_warps=config.num_warps,
+            ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         if fused_norm:
@@ -1102,11 +1042,11 @@ class TritonDecodeOps(TorchDecodeOps):
 
     @classmethod
     def decode_attention(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
-        """`qkv_norm_rope_write`, then flash-decoding's chunks, unmerged: `linear_add_rms_norm` (o_proj) takes them and
-        merges them (`merge_chunks`, or as its matmul loads them). (Fusing QK-norm/RoPE/KV
+        """`qkv_norm_rope_write`, then flash-decoding in two launches: chunks, then their merge. (Fusing QK-norm/RoPE/KV
         write into the chunks' launch, and the merge into their last programs, made the whole step slower at every
         batch size on an H200: bench/results/*7fc70f2-step-probe.json; under PDL, the write inside the chunks' launch
-        again, *session10-probe-3397fd5-step-probe.json.)"""
+        again, *session10-probe-3397fd5-step-probe.json, and at batch 1 the merge inside o_proj's matmul, merging each
+        head as its K step loads it, *session10-probe-66f7336-step-probe.json.)"""
         attendable, cache_rows = context
         rows, kv_heads, head_dim = x.shape[0], keys.shape[1], keys.shape[-1]
         group = heads // kv_heads
@@ -1121,15 +1061,9 @@ class TritonDecodeOps(TorchDecodeOps):
             splits, CHUNK=cls.CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
             KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         )
-        return AttentionChunks(part_out, part_max, part_sum, rows, heads, splits, x.dtype)
-
-    @classmethod
-    def merge_chunks(cls, chunks: AttentionChunks) -> torch.Tensor:
-        """Flash-decoding's merge of decode attention's chunks: `(rows, heads * head_dim)`."""
-        head_dim = chunks.out.shape[-1]
-        out = torch.empty(chunks.rows, chunks.heads * head_dim, dtype=chunks.dtype, device=chunks.out.device)
-        _launch(_merge_kernel, (chunks.rows * chunks.heads,), chunks.out, chunks.max, chunks.sum, out, chunks.splits,
-                HEAD_DIM=head_dim, CHUNKS=cls.MERGE_BLOCK)
+        out = torch.empty(rows, heads * head_dim, dtype=x.dtype, device=x.device)
+        _launch(_merge_kernel, (rows * heads,), part_out, part_max, part_sum, out, splits, GROUP=group,
+                HEAD_DIM=head_dim, MERGE_BLOCK=cls.MERGE_BLOCK)
         return out
 
     @classmethod

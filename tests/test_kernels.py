@@ -151,24 +151,9 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
     k, v = (tensor.clone() for tensor in poisoned)
     context = Triton.attention_context(attendable[:rows], torch.arange(rows, device=DEVICE), cache_lens, kv_len, dtype)
     with poisoned_empty():  # the partial results and the output
-        chunks = Triton.decode_attention(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), k, v, cache_lens, context,
-                                         kv_len, dim**-0.5)
-        out = Triton.merge_chunks(chunks)
+        out = Triton.decode_attention(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), k, v, cache_lens, context, kv_len,
+                                      dim**-0.5)
     assert_close_at_scale(out, out_ref)
-    # o_proj with the residual add and RMSNorm takes the chunks: merged first, or as its matmul loads them.
-    o_weight, hidden, norm_weight = randn(48, heads * dim, dtype=dtype) / 8, randn(rows, 48, dtype=dtype), randn(48, dtype=dtype)
-    expected = Torch.linear_add_rms_norm(out_ref, o_weight.float(), None, hidden.float(), norm_weight.float(), 1e-6)
-    config = kernels.SkinnyConfig(block_n=16, block_k=dim, split_k=2, num_warps=4, num_stages=2)
-    with poisoned_empty():
-        merged_by_matmul = Triton.add_rms_norm(hidden, Triton.skinny_matmul(chunks, o_weight, config, partials=True),
-                                               norm_weight, 1e-6)
-        chosen = Triton.linear_add_rms_norm(chunks, o_weight, None, hidden, norm_weight, 1e-6)
-        one_row = Triton.linear_add_rms_norm(chunks._replace(rows=1), o_weight, None, hidden[:1], norm_weight, 1e-6)
-    for got in (merged_by_matmul, chosen, tuple(y[:1] for y in one_row)):
-        for got_part, expected_part in zip(got, expected):
-            assert_close_at_scale(got_part, expected_part[:len(got_part)])
-    with pytest.raises(ValueError, match="one head wide"):
-        Triton.skinny_matmul(chunks, o_weight, config._replace(block_k=2 * dim))
     new = torch.zeros(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
     new[torch.arange(rows, device=DEVICE), cache_lens] = True
     for got, expected, before in zip((k, v), (k_ref, v_ref), poisoned):
