@@ -918,7 +918,8 @@ class TritonDecodeOps(TorchDecodeOps):
     def skinny_matmul(cls, x, weight, config=None, swiglu=False, add_rms_norm=None, partials=False):
         """`x @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
         unit-stride along K; `config` (a SkinnyConfig) overrides the rule. `swiglu`: `weight` is a fused gate/up
-        matrix and the result is SwiGLU of the product, `(M, N / 2)`. `add_rms_norm`: (hidden, norm weight, eps);
+        matrix and the result is SwiGLU of the product, `(M, N / 2)` (`config.block_n` counts a tile's weight rows,
+        half of them gate rows). `add_rms_norm`: (hidden, norm weight, eps);
         returns `add_rms_norm(hidden, x @ weight.T, ...)` instead, from the same launch. `partials`: returns the K
         ranges' float32 partial products `(splits, M, N)` unsummed, for the next kernel to sum as it loads them
         (`add_rms_norm`, `qk_norm_rope_write`): no launch of their own to sum them."""
