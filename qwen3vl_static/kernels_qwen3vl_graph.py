@@ -919,10 +919,10 @@ class TritonDecodeOps(TorchDecodeOps):
         """`x @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
         unit-stride along K; `config` (a SkinnyConfig) overrides the rule. `swiglu`: `weight` is a fused gate/up
         matrix and the result is SwiGLU of the product, `(M, N / 2)` (`config.block_n` counts a tile's weight rows,
-        half of them gate rows). `add_rms_norm`: (hidden, norm weight, eps);
-        returns `add_rms_norm(hidden, x @ weight.T, ...)` instead, from the same launch. `partials`: returns the K
-        ranges' float32 partial products `(splits, M, N)` unsummed, for the next kernel to sum as it loads them
-        (`add_rms_norm`, `qk_norm_rope_write`): no launch of their own to sum them."""
+        half of them gate rows). `add_rms_norm`: (hidden, norm weight, eps); returns `add_rms_norm(hidden, x @
+        weight.T, ...)` instead, from the same launch. `partials`: returns the K ranges' float32 partial products
+        `(splits, M, N)` unsummed, for the next kernel to sum as it loads them (`add_rms_norm`, `qk_norm_rope_write`):
+        no launch of their own to sum them."""
         rows, k = x.shape
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if config is None:
