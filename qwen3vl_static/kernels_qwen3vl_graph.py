@@ -229,13 +229,14 @@ if triton is not None:
         tl.store(out + cols, (x * rstd * w).to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _load_summed(source, offsets, keep, splits, split_stride, dtype):
+    def _load_summed(source, offsets, keep, splits, split_stride, dtype, CACHE: tl.constexpr):
         """A projection's output at `source + offsets` from its `splits` float32 partial products (a split-K skinny
         matmul's, `split_stride` apart; or the output itself, splits == 1), rounded to `dtype` as the projection
-        rounds it; returned in float32. So the kernel after a split-K matmul sums its partials as it loads them."""
-        total = tl.load(source + offsets, mask=keep, other=0.0).to(tl.float32)
+        rounds it; returned in float32. So the kernel after a split-K matmul sums its partials as it loads them, and
+        a matmul's last program sums the others' (CACHE ".cg": past L1, which may hold stale lines of them)."""
+        total = tl.load(source + offsets, mask=keep, other=0.0, cache_modifier=CACHE).to(tl.float32)
         for split in range(1, splits):
-            total += tl.load(source + split * split_stride + offsets, mask=keep, other=0.0)
+            total += tl.load(source + split * split_stride + offsets, mask=keep, other=0.0, cache_modifier=CACHE)
         return total.to(dtype).to(tl.float32)
 
     @triton.jit
@@ -248,7 +249,7 @@ if triton is not None:
         x = tl.load(hidden + row * n_cols + cols, mask=keep, other=0.0)
         if HAS_DELTA:
             # The sum is rounded to storage precision first, exactly as `hidden + delta` would be.
-            delta_x = _load_summed(delta, row * n_cols + cols, keep, splits, split_stride, x.dtype)
+            delta_x = _load_summed(delta, row * n_cols + cols, keep, splits, split_stride, x.dtype, "")
             x = (x.to(tl.float32) + delta_x).to(x.dtype)
             tl.store(sum_out + row * n_cols + cols, x, mask=keep)
         _store_rms_norm(x, cols, keep, weight, norm_out + row * n_cols, n_cols, eps)
@@ -286,8 +287,8 @@ if triton is not None:
         `splits` partials, `_load_summed`); `(len(heads), HEAD_DIM)`."""
         dims = tl.arange(0, HEAD_DIM)[None, :]
         rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
-        x = _load_summed(base, heads * HEAD_DIM + dims, keep, splits, split_stride, dtype)
-        x_rolled = _load_summed(base, heads * HEAD_DIM + rolled, keep, splits, split_stride, dtype)
+        x = _load_summed(base, heads * HEAD_DIM + dims, keep, splits, split_stride, dtype, "")
+        x_rolled = _load_summed(base, heads * HEAD_DIM + rolled, keep, splits, split_stride, dtype, "")
         return _norm_rope(x, x_rolled, weight, cos, sin, eps, HEAD_DIM)
 
     @triton.jit
@@ -348,7 +349,7 @@ if triton is not None:
         k = _normed_rotated(base, KV_HEADS * GROUP + kv_head + one, one == 0, k_weight, cos, sin, eps, splits,
                             split_stride, dtype, HEAD_DIM)
         v = _load_summed(base, (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + dims, one == 0, splits,
-                         split_stride, dtype)
+                         split_stride, dtype, "")
         tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q.to(dtype), mask=group < GROUP)
         slot = (tl.load(cache_rows + row) * stride_cache_row + kv_head * stride_cache_head
                 + tl.load(cache_slots + row) * stride_cache_slot + dims)
@@ -511,13 +512,10 @@ if triton is not None:
                 row_cols = tl.arange(0, BLOCK_ROW)
                 row_keep = row_cols < n_cols
                 for row in range(rows):
-                    y = tl.zeros((BLOCK_ROW,), tl.float32)
-                    for part in range(splits):
-                        y += tl.load(out + (part * rows + row) * n_cols + row_cols, mask=row_keep, other=0.0,
-                                     cache_modifier=".cg")
                     h = tl.load(hidden + row * n_cols + row_cols, mask=row_keep, other=0.0)
                     # y rounded as the projection's output, the sum as `hidden + y`.
-                    h = (h.to(tl.float32) + y.to(h.dtype).to(tl.float32)).to(h.dtype)
+                    y = _load_summed(out, row * n_cols + row_cols, row_keep, splits, rows * n_cols, h.dtype, ".cg")
+                    h = (h.to(tl.float32) + y).to(h.dtype)
                     tl.store(sum_out + row * n_cols + row_cols, h, mask=row_keep)
                     _store_rms_norm(h, row_cols, row_keep, norm_weight, norm_out + row * n_cols, n_cols, eps)
                 tl.store(ticket, 0)  # ready for the next launch
@@ -605,14 +603,10 @@ if triton is not None:
             row = tl.arange(0, ROWS)[:, None]
             dims = tl.arange(0, HEAD_DIM)[None, :]
             keep = row < rows
-            y = tl.zeros((ROWS, HEAD_DIM), tl.float32)
-            y_rolled = tl.zeros((ROWS, HEAD_DIM), tl.float32)
-            for part in range(splits):
-                base = parts + (part * rows + row) * n_cols + head * HEAD_DIM
-                y += tl.load(base + dims, mask=keep, other=0.0, cache_modifier=".cg")
-                y_rolled += tl.load(base + (dims + HEAD_DIM // 2) % HEAD_DIM, mask=keep, other=0.0, cache_modifier=".cg")
             dtype = q_out.dtype.element_ty
-            y, y_rolled = y.to(dtype).to(tl.float32), y_rolled.to(dtype).to(tl.float32)  # the projection's rounding
+            base = parts + row * n_cols + head * HEAD_DIM
+            y = _load_summed(base, dims, keep, splits, rows * n_cols, dtype, ".cg")
+            y_rolled = _load_summed(base, (dims + HEAD_DIM // 2) % HEAD_DIM, keep, splits, rows * n_cols, dtype, ".cg")
             if head < HEADS + KV_HEADS:  # q or k: normed and rotated
                 norm_weight = tl.where(head < HEADS, q_weight, k_weight)
                 table = tl.minimum(row, rows - 1) * HEAD_DIM  # padding rows read a real row's table
@@ -698,9 +692,8 @@ class TritonDecodeOps(TorchDecodeOps):
         separate = lambda: super(TritonDecodeOps, cls).linear_swiglu(x, gate_up_weight)  # noqa: E731
         if not cls.skinny(x, gate_up_weight):
             return separate()
-        rule = cls.skinny_config(*gate_up_weight.shape, cls.sm_count(x.device), can_split=False)
         fused = [lambda config=config: cls.skinny_matmul(x, gate_up_weight, config, swiglu=True)
-                 for config in cls.stage_configs(rule)]
+                 for config in cls.stage_configs(cls.rule_config(gate_up_weight, can_split=False))]
         return cls.measured("linear_swiglu", cls.matmul_shape(x, gate_up_weight), x.device, (separate, *fused))
 
     @classmethod
@@ -770,9 +763,9 @@ class TritonDecodeOps(TorchDecodeOps):
         return list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
 
     @classmethod
-    def rule_config(cls, weight) -> SkinnyConfig:
+    def rule_config(cls, weight, can_split=True) -> SkinnyConfig:
         """`skinny_config`'s rule for `weight` on its device."""
-        return cls.skinny_config(*weight.shape, cls.sm_count(weight.device))
+        return cls.skinny_config(*weight.shape, cls.sm_count(weight.device), can_split=can_split)
 
     @classmethod
     def pdl(cls, device) -> bool:
@@ -926,7 +919,7 @@ class TritonDecodeOps(TorchDecodeOps):
         rows, k = x.shape
         n = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if config is None:
-            config = cls.skinny_config(*weight.shape, cls.sm_count(x.device), can_split=not swiglu)
+            config = cls.rule_config(weight, can_split=not swiglu)
         k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
         splits = triton.cdiv(k, k_split)
         if swiglu and splits > 1:
