@@ -35,7 +35,8 @@ except ImportError:  # a Triton without programmatic dependent launch: every ker
 logger = logging.get_logger(__name__)
 
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
-SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages")
+# `preload`: each program's whole K range is one tile (`block_k` inputs), loaded before the PDL wait.
+SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages preload", defaults=(False,))
 
 
 def fuse_weights(linears) -> torch.Tensor:
@@ -470,7 +471,7 @@ if triton is not None:
         x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
         hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
-        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PDL: tl.constexpr,
+        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
     ):
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
         itself, or this K range's float32 partial `(splits, rows, n_cols)`.
@@ -483,13 +484,26 @@ if triton is not None:
         them, rounds y, adds it to `hidden` (the residual stream) and stores the sum and its RMSNorm, rounded as the
         separate ops round: the residual add and the norm after a projection cost no launch of their own.
 
+        PRELOAD: the program's whole K range (BLOCK_K == k_split) is one weight tile, loaded before the PDL wait (and
+        staged in shared memory for the `tl.dot`, also before it, as compiled for sm90): weights never depend on an
+        earlier kernel, so they stream in while the previous kernel (the merge, an add-and-norm) finishes, instead of
+        after it.
+
         PDL: see `_wait_then_release`. (Measured slower on an H200, bench/results/*session7*: asking L2 for the first
         weights before the wait, loading the first weight tile before the wait, and releasing the next kernel only
         after the loop's loads.)"""
-        _wait_then_release(PDL)
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
-        if SWIGLU:
+        if PRELOAD:
+            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = split * k_split + tl.arange(0, BLOCK_K)
+            tile = tl.load(weight + cols[:, None] * stride_w + ks[None, :],
+                           mask=(cols[:, None] < n_cols) & (ks[None, :] < k_len), other=0.0)
+            _wait_then_release(PDL)
+            acc = tl.dot(tile, tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
+                                       mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0))
+        elif SWIGLU:
+            _wait_then_release(PDL)
             tile_rows = tl.arange(0, BLOCK_N)
             cols = tl.program_id(0) * (BLOCK_N // 2) + tile_rows % (BLOCK_N // 2)
             acc = _gemv_tile(x, weight, rows, cols + tile_rows // (BLOCK_N // 2) * n_cols, cols < n_cols, k_len,
@@ -499,6 +513,7 @@ if triton is not None:
             acc = gate / (1.0 + tl.exp(-gate)) * up.to(out.dtype.element_ty).to(tl.float32)
             cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         else:
+            _wait_then_release(PDL)
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = _gemv_tile(x, weight, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
                              ROWS, BLOCK_N, BLOCK_K)
@@ -682,7 +697,7 @@ class TritonDecodeOps(TorchDecodeOps):
         if bias is not None or not cls.skinny(x, weight):
             return F.linear(x, weight, bias)
         candidates = (lambda: F.linear(x, weight), *(lambda config=config: cls.skinny_matmul(x, weight, config)
-                                                      for config in cls.stage_configs(cls.rule_config(weight))))
+                                                      for config in cls.matmul_configs(weight)))
         return cls.measured("linear", cls.matmul_shape(x, weight), x.device, candidates)
 
     @classmethod
@@ -706,7 +721,7 @@ class TritonDecodeOps(TorchDecodeOps):
             return separate()
         summed_by_norm = [lambda config=config: cls.add_rms_norm(hidden, cls.skinny_matmul(x, weight, config, partials=True),
                                                                  norm_weight, eps)
-                          for config in cls.stage_configs(cls.rule_config(weight))]
+                          for config in cls.matmul_configs(weight)]
         fused = [lambda config=config: cls.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps))
                  for config in cls.split_configs(weight)]
         return cls.measured("linear_add_rms_norm", cls.matmul_shape(x, weight), x.device,
@@ -724,7 +739,7 @@ class TritonDecodeOps(TorchDecodeOps):
         summed_by_norm = [lambda config=config: cls.qk_norm_rope_write(cls.skinny_matmul(x, qkv_weight, config, partials=True),
                                                                        heads, *qk_norms, rotary, keys, values, cache_rows,
                                                                        cache_slots)
-                          for config in cls.stage_configs(cls.rule_config(qkv_weight))]
+                          for config in cls.matmul_configs(qkv_weight)]
         fused = [lambda config=config: cls.fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows,
                                                      cache_slots, config)
                  for config in cls.split_configs(qkv_weight)]
@@ -754,6 +769,24 @@ class TritonDecodeOps(TorchDecodeOps):
     def stage_configs(rule) -> tuple:
         """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection is measured at."""
         return rule._replace(num_stages=4), rule._replace(num_stages=6)
+
+    @classmethod
+    def matmul_configs(cls, weight) -> tuple:
+        """The tilings a split-K projection is measured at: the rule's at 4 and 6 stages, and preloaded where it fits."""
+        preload = cls.preload_config(weight)
+        return cls.stage_configs(cls.rule_config(weight)) + ((preload,) if preload else ())
+
+    @classmethod
+    def preload_config(cls, weight, block_n=64, tile_bytes=64 * 1024):
+        """A preloaded tiling for `weight` on its device (see `_skinny_matmul_kernel`): `block_n` x (K range) tiles of
+        `tile_bytes` (staged in shared memory: two programs fit an SM), or None where they would take more than two
+        programs per SM (then some would load after the wait anyway)."""
+        n, k = weight.shape
+        block_k = tile_bytes // (block_n * weight.element_size())
+        split = triton.cdiv(k, block_k)
+        if triton.cdiv(n, block_n) * split > 2 * cls.sm_count(weight.device):
+            return None
+        return SkinnyConfig(block_n, block_k, split, num_warps=8, num_stages=1, preload=True)
 
     @classmethod
     def split_configs(cls, weight) -> list:
@@ -924,6 +957,8 @@ class TritonDecodeOps(TorchDecodeOps):
         splits = triton.cdiv(k, k_split)
         if swiglu and splits > 1:
             raise ValueError("the SwiGLU epilogue needs whole sums: split_k must be 1")
+        if config.preload and (swiglu or k_split != config.block_k):
+            raise ValueError(f"a preloaded tile spans a program's whole K range: block_k must be {k_split}, without SwiGLU")
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         fused_norm = add_rms_norm is not None
         parts = (out if splits == 1 and not (fused_norm or partials)
@@ -935,7 +970,7 @@ class TritonDecodeOps(TorchDecodeOps):
             x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
             hidden, norm_weight, sums, out, eps, ticket, splits,
             ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
-            ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), num_warps=config.num_warps,
+            ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), PRELOAD=config.preload, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         if fused_norm:

@@ -198,16 +198,43 @@ def test_silu_mul(dtype):
     torch.testing.assert_close(Triton.silu_mul(gate_up), Torch.silu_mul(gate_up), **TOLERANCE[dtype])
 
 
+SKINNY_CONFIGS = {
+    "one-pass": kernels.SkinnyConfig(block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
+    # 3 splits of K = 200 in 32-wide steps leave a short last range.
+    "split-k": kernels.SkinnyConfig(block_n=32, block_k=32, split_k=3, num_warps=4, num_stages=2),
+    # Each program's whole K range (64 inputs; the last one 8) in one tile loaded before the wait.
+    "preloaded": kernels.SkinnyConfig(block_n=32, block_k=64, split_k=4, num_warps=4, num_stages=1, preload=True),
+}
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
-def test_skinny_matmul(dtype, rows, split_k):
-    # N and K are not multiples of the blocks; 3 splits of K = 200 in 32-wide steps leave a short last range.
+@pytest.mark.parametrize("form", SKINNY_CONFIGS)
+def test_skinny_matmul(dtype, rows, form):
+    # N and K are not multiples of the blocks.
     x, weight = randn(rows, 200, dtype=dtype), randn(100, 200, dtype=dtype)
-    config = kernels.SkinnyConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
     with poisoned_empty():  # the output and the split-K partials
-        out = Triton.skinny_matmul(x, weight, config)
+        out = Triton.skinny_matmul(x, weight, SKINNY_CONFIGS[form])
     assert_matmul_close(out, (x, weight), Torch.linear)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_preloaded_tiles_span_whole_k_ranges(dtype):
+    x, weight = randn(1, 200, dtype=dtype), randn(100, 200, dtype=dtype)
+    with pytest.raises(ValueError, match="whole K range"):  # 2 ranges of 128 inputs: not one 64-input tile each
+        Triton.skinny_matmul(x, weight, SKINNY_CONFIGS["preloaded"]._replace(split_k=2))
+
+
+def test_preloaded_tiling_rule(monkeypatch):
+    """64 KB tiles (64 columns x 512 bfloat16 inputs), offered where they take at most two programs per SM."""
+    monkeypatch.setattr(Triton, "sm_count", lambda device: 132)
+    weight = lambda n, k: torch.empty(n, k, dtype=torch.bfloat16, device="meta")  # noqa: E731
+    preloaded = kernels.SkinnyConfig(64, 512, 4, num_warps=8, num_stages=1, preload=True)
+    assert Triton.preload_config(weight(2048, 2048)) == preloaded  # o_proj: 128 programs
+    assert Triton.preload_config(weight(4096, 2048)) == preloaded  # QKV: 256
+    assert Triton.preload_config(weight(2048, 6144)) is None  # down_proj: 384
+    assert Triton.matmul_configs(weight(2048, 2048))[-1] == preloaded
+    assert not any(config.preload for config in Triton.matmul_configs(weight(2048, 6144)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -238,13 +265,13 @@ def test_linear_swiglu_fused_and_chosen(dtype, rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
-def test_linear_add_rms_norm_fused_and_chosen(dtype, rows, split_k):
+@pytest.mark.parametrize("form", SKINNY_CONFIGS)
+def test_linear_add_rms_norm_fused_and_chosen(dtype, rows, form):
     """The residual add and RMSNorm done by the skinny matmul's last program equal the matmul then the add-and-norm
     kernel; the ticket is back at zero afterwards."""
     x, weight = randn(rows, 200, dtype=dtype), randn(100, 200, dtype=dtype)
     hidden, norm_weight = randn(rows, 100, dtype=dtype), randn(100, dtype=dtype)
-    config = kernels.SkinnyConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
+    config = SKINNY_CONFIGS[form]
     with poisoned_empty():  # the partials, the sum and the normed output
         total, normed = Triton.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, 1e-6))
     assert_matmul_close(total, (x, weight, hidden), lambda x, weight, hidden: hidden + x @ weight.T)
@@ -252,7 +279,7 @@ def test_linear_add_rms_norm_fused_and_chosen(dtype, rows, split_k):
     assert not Triton.ticket(x.device).any()
     with poisoned_empty():  # the partials summed by the add-and-norm kernel instead
         parts = Triton.skinny_matmul(x, weight, config, partials=True)
-        assert parts.shape == (split_k, rows, 100) and parts.dtype == torch.float32
+        assert parts.shape == (config.split_k, rows, 100) and parts.dtype == torch.float32
         summed = Triton.add_rms_norm(hidden, parts, norm_weight, 1e-6)
     for got, expected in zip(summed, (total, normed)):  # the same sums, rounded once, as the fused form
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
