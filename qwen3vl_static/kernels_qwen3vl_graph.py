@@ -487,7 +487,9 @@ if triton is not None:
         PRELOAD: the program's whole K range (BLOCK_K == k_split) is one weight tile, loaded before the PDL wait (and
         staged in shared memory for the `tl.dot`, also before it, as compiled for sm90): weights never depend on an
         earlier kernel, so they stream in while the previous kernel (the merge, an add-and-norm) finishes, instead of
-        after it.
+        after it. Such a program releases the next kernel before its loads, not after its wait: released after, the
+        next kernel's launch waited for the loads (on an H200 the preloaded o_proj then timed 13.6 against 11.8 µs
+        with its add-and-norm, bench/results/*session11-preload-5b3f0a0*).
 
         PDL: see `_wait_then_release`. (Measured slower on an H200, bench/results/*session7*: asking L2 for the first
         weights before the wait, loading the first weight tile before the wait, and releasing the next kernel only
@@ -495,11 +497,14 @@ if triton is not None:
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
         if PRELOAD:
+            if PDL:  # released first: the loads may outlast the previous kernel, and the next one's launch needs time
+                gdc_launch_dependents()
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = split * k_split + tl.arange(0, BLOCK_K)
             tile = tl.load(weight + cols[:, None] * stride_w + ks[None, :],
                            mask=(cols[:, None] < n_cols) & (ks[None, :] < k_len), other=0.0)
-            _wait_then_release(PDL)
+            if PDL:
+                gdc_wait()
             acc = tl.dot(tile, tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
                                        mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0))
         elif SWIGLU:
