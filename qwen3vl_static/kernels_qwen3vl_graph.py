@@ -222,6 +222,15 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
+    def _release_then_wait(PDL: tl.constexpr):
+        """`_wait_then_release` the other way round, for a kernel whose successor has work that depends on nothing
+        before it (a preloaded matmul's weights): the successor launches, and starts that work, while this kernel and
+        its predecessor still run. It still waits for this kernel's results: its launch comes earlier, not its wait."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+
+    @triton.jit
     def _store_rms_norm(x, cols, keep, weight, out, n_cols, eps):
         """RMSNorm of one row `x` (float32 statistics, the scale applied before rounding), stored at `out`."""
         x = x.to(tl.float32)
@@ -416,8 +425,9 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(part_out, part_max, part_sum, out, SPLITS, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       MERGE_BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """Flash-decoding's second pass: one program per (row, query head) merges its chunks' partial softmaxes."""
-        _wait_then_release(PDL)
+        """Flash-decoding's second pass: one program per (row, query head) merges its chunks' partial softmaxes. The
+        next kernel (o_proj) launches first thing (`_release_then_wait`)."""
+        _release_then_wait(PDL)
         pair, head = tl.program_id(0) // GROUP, tl.program_id(0) % GROUP  # pair: (row, KV head)
         dims = tl.arange(0, HEAD_DIM)
         top = tl.full((), float("-inf"), tl.float32)
@@ -487,9 +497,8 @@ if triton is not None:
         PRELOAD: the program's whole K range (BLOCK_K == k_split) is one weight tile, loaded before the PDL wait (and
         staged in shared memory for the `tl.dot`, also before it, as compiled for sm90): weights never depend on an
         earlier kernel, so they stream in while the previous kernel (the merge, an add-and-norm) finishes, instead of
-        after it. Such a program releases the next kernel before its loads, not after its wait: released after, the
-        next kernel's launch waited for the loads (on an H200 the preloaded o_proj then timed 13.6 against 11.8 µs
-        with its add-and-norm, bench/results/*session11-preload-5b3f0a0*).
+        after it. The merge releases it before its own wait (`_release_then_wait`), so o_proj's loads overlap the
+        attention's tail and the merge.
 
         PDL: see `_wait_then_release`. (Measured slower on an H200, bench/results/*session7*: asking L2 for the first
         weights before the wait, loading the first weight tile before the wait, and releasing the next kernel only
@@ -497,14 +506,11 @@ if triton is not None:
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
         if PRELOAD:
-            if PDL:  # released first: the loads may outlast the previous kernel, and the next one's launch needs time
-                gdc_launch_dependents()
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = split * k_split + tl.arange(0, BLOCK_K)
             tile = tl.load(weight + cols[:, None] * stride_w + ks[None, :],
                            mask=(cols[:, None] < n_cols) & (ks[None, :] < k_len), other=0.0)
-            if PDL:
-                gdc_wait()
+            _release_then_wait(PDL)
             acc = tl.dot(tile, tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
                                        mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0))
         elif SWIGLU:
