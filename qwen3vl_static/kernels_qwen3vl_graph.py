@@ -695,6 +695,7 @@ class TritonDecodeOps(TorchDecodeOps):
     # Candidates timed alone within this factor of the fastest are timed again in the whole step (`near_ties`).
     NEAR_TIE = 1.10
     step_timings = {}  # the keys settled that way -> each candidate's ms per step (None: not a near tie)
+    in_step = {}  # the same keys -> candidates timed in the step however they time alone (`measured`)
     tickets = {}  # device -> the counters `ticket` returns
     TICKETS = 256
     PDL = True  # programmatic dependent launch where the device has it (bench/step_probe.py times it off and on)
@@ -708,7 +709,7 @@ class TritonDecodeOps(TorchDecodeOps):
         if bias is not None or not cls.skinny(x, weight):
             return F.linear(x, weight, bias)
         candidates = (lambda: F.linear(x, weight), *(lambda config=config: cls.skinny_matmul(x, weight, config)
-                                                      for config in cls.matmul_configs(weight)))
+                                                      for config in cls.stage_configs(cls.rule_config(weight))))
         return cls.measured("linear", cls.matmul_shape(x, weight), x.device, candidates)
 
     @classmethod
@@ -725,18 +726,24 @@ class TritonDecodeOps(TorchDecodeOps):
     @classmethod
     def linear_add_rms_norm(cls, x, weight, bias, hidden, norm_weight, eps):
         """Whichever measured fastest of: the projection then the add-and-norm kernel; the skinny matmul's partial
-        products, summed by the add-and-norm kernel (4 or 6 stages); one skinny matmul whose last program adds and
-        norms (at the rule's split of K, or half of it)."""
+        products, summed by the add-and-norm kernel (4 or 6 stages, or preloaded where it fits); one skinny matmul
+        whose last program adds and norms (at the rule's split of K, or half of it).
+
+        The preloaded form is always timed in the step too: there (o_proj after the merge, which releases it early) it
+        loads its weights during attention: on an H200 it was 0.011, 0.023 and 0.015 ms/step faster in the step at batch 1,
+        4 and 8, and 10-11% slower alone (bench/results/*session11-merge-release-8bc787d-step-probe.json)."""
         separate = lambda: super(TritonDecodeOps, cls).linear_add_rms_norm(x, weight, bias, hidden, norm_weight, eps)  # noqa: E731
         if bias is not None or not cls.skinny(x, weight):
             return separate()
+        preload = cls.preload_config(weight)
+        tilings = cls.stage_configs(cls.rule_config(weight)) + ((preload,) if preload else ())
         summed_by_norm = [lambda config=config: cls.add_rms_norm(hidden, cls.skinny_matmul(x, weight, config, partials=True),
                                                                  norm_weight, eps)
-                          for config in cls.matmul_configs(weight)]
+                          for config in tilings]
         fused = [lambda config=config: cls.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps))
                  for config in cls.split_configs(weight)]
         return cls.measured("linear_add_rms_norm", cls.matmul_shape(x, weight), x.device,
-                            (separate, *summed_by_norm, *fused))
+                            (separate, *summed_by_norm, *fused), in_step=(len(tilings),) if preload else ())
 
     @classmethod
     def qkv_norm_rope_write(cls, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots):
@@ -750,7 +757,7 @@ class TritonDecodeOps(TorchDecodeOps):
         summed_by_norm = [lambda config=config: cls.qk_norm_rope_write(cls.skinny_matmul(x, qkv_weight, config, partials=True),
                                                                        heads, *qk_norms, rotary, keys, values, cache_rows,
                                                                        cache_slots)
-                          for config in cls.matmul_configs(qkv_weight)]
+                          for config in cls.stage_configs(cls.rule_config(qkv_weight))]
         fused = [lambda config=config: cls.fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows,
                                                      cache_slots, config)
                  for config in cls.split_configs(qkv_weight)]
@@ -780,12 +787,6 @@ class TritonDecodeOps(TorchDecodeOps):
     def stage_configs(rule) -> tuple:
         """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection is measured at."""
         return rule._replace(num_stages=4), rule._replace(num_stages=6)
-
-    @classmethod
-    def matmul_configs(cls, weight) -> tuple:
-        """The tilings a split-K projection is measured at: the rule's at 4 and 6 stages, and preloaded where it fits."""
-        preload = cls.preload_config(weight)
-        return cls.stage_configs(cls.rule_config(weight)) + ((preload,) if preload else ())
 
     @classmethod
     def preload_config(cls, weight, block_n=64, tile_bytes=64 * 1024):
@@ -827,9 +828,10 @@ class TritonDecodeOps(TorchDecodeOps):
         return x.dim() == 2 and x.shape[0] <= cls.SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
 
     @classmethod
-    def measured(cls, op, shape, device, candidates):
+    def measured(cls, op, shape, device, candidates, in_step=()):
         """Run whichever of `candidates` (calls of no arguments, the first the cuBLAS / unfused one) measured fastest
-        for `op` on operands described by `shape` (a string: rows, sizes, dtype) on this device.
+        for `op` on operands described by `shape` (a string: rows, sizes, dtype) on this device. `in_step`: indices of
+        candidates timed in the whole step however they time alone (`near_ties`).
 
         Each shape is measured once, on first use: in the runner that is a warm-up step, which the graph capturer
         runs twice on a side stream before capturing. Timing needs a sync, which capture forbids, so a shape first
@@ -849,6 +851,7 @@ class TritonDecodeOps(TorchDecodeOps):
             if torch.cuda.is_current_stream_capturing():
                 return candidates[0]()
             times = cls.timings[key] = cls.time_calls(candidates)
+            cls.in_step[key] = in_step
             choice = cls.choices[key] = times.index(min(times))
             logger.info(f"{op} {shape}: " + ", ".join(f"candidate {index} {us:.1f} us" for index, us in enumerate(times))
                         + f"; using {choice}")
@@ -857,12 +860,14 @@ class TritonDecodeOps(TorchDecodeOps):
     @classmethod
     def near_ties(cls, device, rows) -> dict:
         """The measured choices for `rows`-row operands on `device`, not yet settled in the step, whose candidates
-        timed alone came within NEAR_TIE of the fastest: {key: those candidates' indices}, for two or more. Alone, a
+        timed alone came within NEAR_TIE of the fastest, or are timed in the step anyway (`measured`'s `in_step`): {key:
+        those candidates' indices}, for two or more. Alone, a
         call misses how it overlaps its real neighbours under PDL: on an H200 the fused QKV form was 0.16 µs slower
         alone and 0.017 ms/step faster in the step at batch 1 (bench/results/*session7-final*step-probe.json), 9%
         slower alone and 0.066 ms/step faster at batch 4 (*session9-summed-by-norm*step-probe.json), so
         `DecodeRunner.settle_near_ties` times the whole step."""
-        ties = {key: [index for index, us in enumerate(times) if us <= cls.NEAR_TIE * min(times)]
+        ties = {key: [index for index, us in enumerate(times)
+                      if us <= cls.NEAR_TIE * min(times) or index in cls.in_step.get(key, ())]
                 for key, times in cls.timings.items()
                 if key[2] == device and key[1].startswith(f"{rows}x") and key not in cls.step_timings}
         return {key: indices for key, indices in ties.items() if len(indices) > 1}
