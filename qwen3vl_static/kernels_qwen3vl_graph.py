@@ -496,9 +496,8 @@ if triton is not None:
 
         PRELOAD: the program's whole K range (BLOCK_K == k_split) is one weight tile, loaded before the PDL wait (and
         staged in shared memory for the `tl.dot`, also before it, as compiled for sm90): weights never depend on an
-        earlier kernel, so they stream in while the previous kernel (the merge, an add-and-norm) finishes, instead of
-        after it. The merge releases it before its own wait (`_release_then_wait`), so o_proj's loads overlap the
-        attention's tail and the merge.
+        earlier kernel, so they stream in while earlier kernels run. The merge releases o_proj before its own wait
+        (`_release_then_wait`), so o_proj's programs load during attention and the merge.
 
         PDL: see `_wait_then_release`. (Measured slower on an H200, bench/results/*session7*: asking L2 for the first
         weights before the wait, loading the first weight tile before the wait, and releasing the next kernel only
@@ -730,8 +729,8 @@ class TritonDecodeOps(TorchDecodeOps):
         whose last program adds and norms (at the rule's split of K, or half of it).
 
         The preloaded form is always timed in the step too: there (o_proj after the merge, which releases it early) it
-        loads its weights during attention: on an H200 it was 0.011, 0.023 and 0.015 ms/step faster in the step at batch 1,
-        4 and 8, and 10-11% slower alone (bench/results/*session11-merge-release-8bc787d-step-probe.json)."""
+        loads its weights during attention. On an H200 it was 0.011, 0.023 and 0.015 ms/step faster in the step at
+        batch 1, 4 and 8, and 10-11% slower alone (bench/results/*session11-merge-release-8bc787d-step-probe.json)."""
         separate = lambda: super(TritonDecodeOps, cls).linear_add_rms_norm(x, weight, bias, hidden, norm_weight, eps)  # noqa: E731
         if bias is not None or not cls.skinny(x, weight):
             return separate()
@@ -860,12 +859,11 @@ class TritonDecodeOps(TorchDecodeOps):
     @classmethod
     def near_ties(cls, device, rows) -> dict:
         """The measured choices for `rows`-row operands on `device`, not yet settled in the step, whose candidates
-        timed alone came within NEAR_TIE of the fastest, or are timed in the step anyway (`measured`'s `in_step`): {key:
-        those candidates' indices}, for two or more. Alone, a
-        call misses how it overlaps its real neighbours under PDL: on an H200 the fused QKV form was 0.16 µs slower
-        alone and 0.017 ms/step faster in the step at batch 1 (bench/results/*session7-final*step-probe.json), 9%
-        slower alone and 0.066 ms/step faster at batch 4 (*session9-summed-by-norm*step-probe.json), so
-        `DecodeRunner.settle_near_ties` times the whole step."""
+        timed alone came within NEAR_TIE of the fastest or are timed in the step anyway (`measured`'s `in_step`):
+        {key: those candidates' indices}, for two or more. Alone, a call misses how it overlaps its real neighbours
+        under PDL: on an H200 the fused QKV form was 0.16 µs slower alone and 0.017 ms/step faster in the step at
+        batch 1 (bench/results/*session7-final*step-probe.json), 9% slower alone and 0.066 ms/step faster at batch 4
+        (*session9-summed-by-norm*step-probe.json), so `DecodeRunner.settle_near_ties` times the whole step."""
         ties = {key: [index for index, us in enumerate(times)
                       if us <= cls.NEAR_TIE * min(times) or index in cls.in_step.get(key, ())]
                 for key, times in cls.timings.items()
@@ -974,7 +972,8 @@ class TritonDecodeOps(TorchDecodeOps):
         if swiglu and splits > 1:
             raise ValueError("the SwiGLU epilogue needs whole sums: split_k must be 1")
         if config.preload and (swiglu or k_split != config.block_k):
-            raise ValueError(f"a preloaded tile spans a program's whole K range: block_k must be {k_split}, without SwiGLU")
+            raise ValueError(f"a preloaded tile spans a program's whole K range: block_k must be {k_split}, "
+                             "without SwiGLU")
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         fused_norm = add_rms_norm is not None
         parts = (out if splits == 1 and not (fused_norm or partials)
@@ -986,8 +985,8 @@ class TritonDecodeOps(TorchDecodeOps):
             x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
             hidden, norm_weight, sums, out, eps, ticket, splits,
             ROWS=cls.SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
-            ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), PRELOAD=config.preload, num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), PRELOAD=config.preload,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if fused_norm:
             return sums, out
