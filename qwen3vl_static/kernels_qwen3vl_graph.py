@@ -223,9 +223,9 @@ if triton is not None:
 
     @triton.jit
     def _release_then_wait(PDL: tl.constexpr):
-        """`_wait_then_release` the other way round, for a kernel whose successor has work that depends on nothing
-        before it (a preloaded matmul's weights): the successor launches, and starts that work, while this kernel and
-        its predecessor still run. It still waits for this kernel's results: its launch comes earlier, not its wait."""
+        """`_wait_then_release` the other way round: the successor launches while this kernel and its predecessor still
+        run, and still waits for this kernel's results (its launch comes earlier, not its wait). The merge uses it so
+        that a preloaded o_proj loads its weights during attention; the preloaded matmul, after its own loads."""
         if PDL:
             gdc_launch_dependents()
             gdc_wait()
