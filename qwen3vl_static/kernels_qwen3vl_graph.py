@@ -231,11 +231,11 @@ if triton is not None:
             gdc_wait()
 
     @triton.jit
-    def _store_rms_norm(x, cols, keep, weight, out, n_cols, eps):
-        """RMSNorm of one row `x` (float32 statistics, the scale applied before rounding), stored at `out`."""
+    def _store_rms_norm(x, cols, keep, w, out, n_cols, eps):
+        """RMSNorm of one row `x` by the norm's weights `w` (float32 statistics, the scale applied before rounding),
+        stored at `out`. Callers load `w` early: a load after the sum's reduction would wait for it."""
         x = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        w = tl.load(weight + cols, mask=keep, other=0.0).to(tl.float32)
         tl.store(out + cols, (x * rstd * w).to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
@@ -252,17 +252,19 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, splits, split_stride,
                              HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        _wait_then_release(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         keep = cols < n_cols
+        # Norm weights never change during a step, so they load before the PDL wait, during the previous kernel.
+        w = tl.load(weight + cols, mask=keep, other=0.0).to(tl.float32)
+        _wait_then_release(PDL)
         x = tl.load(hidden + row * n_cols + cols, mask=keep, other=0.0)
         if HAS_DELTA:
             # The sum is rounded to storage precision first, exactly as `hidden + delta` would be.
             delta_x = _load_summed(delta, row * n_cols + cols, keep, splits, split_stride, x.dtype, "")
             x = (x.to(tl.float32) + delta_x).to(x.dtype)
             tl.store(sum_out + row * n_cols + cols, x, mask=keep)
-        _store_rms_norm(x, cols, keep, weight, norm_out + row * n_cols, n_cols, eps)
+        _store_rms_norm(x, cols, keep, w, norm_out + row * n_cols, n_cols, eps)
 
     @triton.jit
     def _add_layer_norm_kernel(hidden, delta, weight, bias, sum_out, norm_out, n_cols, eps, BLOCK: tl.constexpr):
@@ -280,26 +282,36 @@ if triton is not None:
         tl.store(norm_out + row * n_cols + cols, y.to(norm_out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _norm_rope(x, x_rolled, weight, cos, sin, eps, HEAD_DIM: tl.constexpr):
-        """RMSNorm of each head (a row of `x`, float32) then the rotary embedding (`rotate_half` convention), float32
-        throughout. `x_rolled`: the heads rolled by HEAD_DIM / 2; `cos`, `sin`: the tables' pointers (a row each)."""
+    def _head_weights(weight, HEAD_DIM: tl.constexpr):
+        """A per-head norm's weights, float32, and the same rolled by HEAD_DIM / 2 (rotate_half(x) == sign *
+        x.roll(HEAD_DIM / 2)); `(1, HEAD_DIM)` each, for `_norm_rope`."""
         dims = tl.arange(0, HEAD_DIM)[None, :]
-        rolled = (dims + HEAD_DIM // 2) % HEAD_DIM  # rotate_half(x) == sign * x.roll(HEAD_DIM / 2)
-        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
-        x = x * rstd * tl.load(weight + dims).to(tl.float32)
-        x_rolled = x_rolled * rstd * tl.load(weight + rolled).to(tl.float32)
-        signed_sin = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0) * tl.load(sin + dims).to(tl.float32)
-        return x * tl.load(cos + dims).to(tl.float32) + x_rolled * signed_sin
+        return tl.load(weight + dims).to(tl.float32), tl.load(weight + (dims + HEAD_DIM // 2) % HEAD_DIM).to(tl.float32)
 
     @triton.jit
-    def _normed_rotated(base, heads, keep, weight, cos, sin, eps, splits, split_stride, dtype, HEAD_DIM: tl.constexpr):
-        """`_norm_rope` of the heads `heads` (a column of head indices, `keep` masking it) of one token at `base` (its
-        `splits` partials, `_load_summed`); `(len(heads), HEAD_DIM)`."""
+    def _rope_tables(cos, sin, HEAD_DIM: tl.constexpr):
+        """One token's rotary tables at `cos`, `sin`, float32, the sine signed for `rotate_half`; for `_norm_rope`."""
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        sign = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
+        return tl.load(cos + dims).to(tl.float32), sign * tl.load(sin + dims).to(tl.float32)
+
+    @triton.jit
+    def _norm_rope(x, x_rolled, weights, tables, eps, HEAD_DIM: tl.constexpr):
+        """RMSNorm of each head (a row of `x`, float32) then the rotary embedding (`rotate_half` convention), float32
+        throughout. `x_rolled`: the heads rolled by HEAD_DIM / 2; `weights`, `tables`: `_head_weights`, `_rope_tables`,
+        loaded by the caller before the sum's reduction (a load after it would wait for it)."""
+        (w, w_rolled), (cos, signed_sin) = weights, tables
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
+        return x * rstd * w * cos + x_rolled * rstd * w_rolled * signed_sin
+
+    @triton.jit
+    def _load_heads(base, heads, keep, splits, split_stride, dtype, HEAD_DIM: tl.constexpr):
+        """The heads `heads` (a column of head indices, `keep` masking it) of one token at `base` (its `splits`
+        partials, `_load_summed`) and the same rolled by HEAD_DIM / 2: `_norm_rope`'s x and x_rolled."""
         dims = tl.arange(0, HEAD_DIM)[None, :]
         rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
-        x = _load_summed(base, heads * HEAD_DIM + dims, keep, splits, split_stride, dtype, "")
-        x_rolled = _load_summed(base, heads * HEAD_DIM + rolled, keep, splits, split_stride, dtype, "")
-        return _norm_rope(x, x_rolled, weight, cos, sin, eps, HEAD_DIM)
+        return (_load_summed(base, heads * HEAD_DIM + dims, keep, splits, split_stride, dtype, ""),
+                _load_summed(base, heads * HEAD_DIM + rolled, keep, splits, split_stride, dtype, ""))
 
     @triton.jit
     def _rope_store(
@@ -345,25 +357,27 @@ if triton is not None:
         """One (token, KV head) per program: its query heads, normed and rotated, to `q_out`; its key, normed and
         rotated, and its value into the cache. q and k are rounded once to the storage dtype. `qkv` is the projection's
         output or its `splits` float32 partials (`_load_summed`)."""
+        # Norm weights never change during a step, so they load before the PDL wait, during the previous kernel.
+        q_weights, k_weights = _head_weights(q_weight, HEAD_DIM), _head_weights(k_weight, HEAD_DIM)
         _wait_then_release(PDL)
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         base = qkv + row * (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM
-        cos, sin = cos + row * HEAD_DIM, sin + row * HEAD_DIM
+        tables = _rope_tables(cos + row * HEAD_DIM, sin + row * HEAD_DIM, HEAD_DIM)
         group = tl.arange(0, GROUP_PAD)[:, None]
         one = tl.arange(0, 1)[:, None]
         dims = tl.arange(0, HEAD_DIM)[None, :]
         dtype = q_out.dtype.element_ty
-        q = _normed_rotated(base, kv_head * GROUP + group, group < GROUP, q_weight, cos, sin, eps, splits, split_stride,
-                            dtype, HEAD_DIM)
-        k = _normed_rotated(base, KV_HEADS * GROUP + kv_head + one, one == 0, k_weight, cos, sin, eps, splits,
-                            split_stride, dtype, HEAD_DIM)
+        # Every load first: a load after a reduction would wait for it.
+        q, q_rolled = _load_heads(base, kv_head * GROUP + group, group < GROUP, splits, split_stride, dtype, HEAD_DIM)
+        k, k_rolled = _load_heads(base, KV_HEADS * GROUP + kv_head + one, one == 0, splits, split_stride, dtype, HEAD_DIM)
         v = _load_summed(base, (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + dims, one == 0, splits,
                          split_stride, dtype, "")
-        tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q.to(dtype), mask=group < GROUP)
         slot = (tl.load(cache_rows + row) * stride_cache_row + kv_head * stride_cache_head
                 + tl.load(cache_slots + row) * stride_cache_slot + dims)
-        tl.store(keys + slot, k.to(dtype))
+        q = _norm_rope(q, q_rolled, q_weights, tables, eps, HEAD_DIM)
+        tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q.to(dtype), mask=group < GROUP)
+        tl.store(keys + slot, _norm_rope(k, k_rolled, k_weights, tables, eps, HEAD_DIM).to(dtype))
         tl.store(values + slot, v.to(dtype))
 
     @triton.jit
@@ -437,13 +451,15 @@ if triton is not None:
             chunk = first + tl.arange(0, MERGE_BLOCK)
             index = (pair * SPLITS + chunk) * GROUP + head
             got = chunk < SPLITS
+            # All three loads first: a load after the maximum's reduction would wait for it.
             chunk_max = tl.load(part_max + index, mask=got, other=float("-inf"))
+            chunk_sum = tl.load(part_sum + index, mask=got, other=0.0)
+            chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0)
             new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
             base = tl.where(new_top == float("-inf"), 0.0, new_top)
             weights = tl.where(got, tl.exp(chunk_max - base), 0.0)
             correction = tl.exp(top - base)
-            total = total * correction + tl.sum(tl.load(part_sum + index, mask=got, other=0.0) * weights, axis=0)
-            chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0)
+            total = total * correction + tl.sum(chunk_sum * weights, axis=0)
             merged = merged * correction + tl.sum(chunk_out * weights[:, None], axis=0)
             top = new_top
         tl.store(out + (pair * GROUP + head) * HEAD_DIM + dims, (merged / total).to(out.dtype.element_ty))
@@ -536,13 +552,14 @@ if triton is not None:
             if tl.atomic_add(ticket, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
                 row_cols = tl.arange(0, BLOCK_ROW)
                 row_keep = row_cols < n_cols
+                w = tl.load(norm_weight + row_cols, mask=row_keep, other=0.0).to(tl.float32)
                 for row in range(rows):
                     h = tl.load(hidden + row * n_cols + row_cols, mask=row_keep, other=0.0)
                     # y rounded as the projection's output, the sum as `hidden + y`.
                     y = _load_summed(out, row * n_cols + row_cols, row_keep, splits, rows * n_cols, h.dtype, ".cg")
                     h = (h.to(tl.float32) + y).to(h.dtype)
                     tl.store(sum_out + row * n_cols + row_cols, h, mask=row_keep)
-                    _store_rms_norm(h, row_cols, row_keep, norm_weight, norm_out + row * n_cols, n_cols, eps)
+                    _store_rms_norm(h, row_cols, row_keep, w, norm_out + row * n_cols, n_cols, eps)
                 tl.store(ticket, 0)  # ready for the next launch
 
     @triton.jit
@@ -633,9 +650,9 @@ if triton is not None:
             y = _load_summed(base, dims, keep, splits, rows * n_cols, dtype, ".cg")
             y_rolled = _load_summed(base, (dims + HEAD_DIM // 2) % HEAD_DIM, keep, splits, rows * n_cols, dtype, ".cg")
             if head < HEADS + KV_HEADS:  # q or k: normed and rotated
-                norm_weight = tl.where(head < HEADS, q_weight, k_weight)
+                weights = _head_weights(tl.where(head < HEADS, q_weight, k_weight), HEAD_DIM)
                 table = tl.minimum(row, rows - 1) * HEAD_DIM  # padding rows read a real row's table
-                y = _norm_rope(y, y_rolled, norm_weight, cos + table, sin + table, eps, HEAD_DIM)
+                y = _norm_rope(y, y_rolled, weights, _rope_tables(cos + table, sin + table, HEAD_DIM), eps, HEAD_DIM)
             y = y.to(dtype)
             if head < HEADS:
                 tl.store(q_out + (row * HEADS + head) * HEAD_DIM + dims, y, mask=keep)
