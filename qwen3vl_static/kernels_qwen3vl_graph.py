@@ -300,7 +300,8 @@ if triton is not None:
         """RMSNorm of each head (a row of `x`, float32) then the rotary embedding (`rotate_half` convention), float32
         throughout. `x_rolled`: the heads rolled by HEAD_DIM / 2; `weights`, `tables`: `_head_weights`, `_rope_tables`,
         loaded by the caller before the sum's reduction (a load after it would wait for it)."""
-        (w, w_rolled), (cos, signed_sin) = weights, tables
+        w, w_rolled = weights
+        cos, signed_sin = tables
         rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
         return x * rstd * w * cos + x_rolled * rstd * w_rolled * signed_sin
 
