@@ -1,7 +1,11 @@
 """Fused Triton decode kernels against the torch reference ops: on the CPU through TRITON_INTERPRET=1, natively
 on CUDA. Inputs are fresh random values (never zeros) and every output buffer is poisoned before the call."""
 
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -457,3 +461,18 @@ def test_tiny_model_generates_like_stock_with_the_kernels(tiny_pair):
     finally:
         for runner in runners:
             runner.ops = Torch
+
+
+def test_kernel_sources_parse_as_compiling_triton_parses_them():
+    """The interpreter runs a kernel's Python; compiling Triton first parses its source for the cache key, and older
+    releases reject constructs that newer ones accept (Triton 3.6, the H200's, rejected a nested tuple assignment
+    that 3.9 parsed: bench/results/*session12-triton36-parse*). So a process without the interpreter (no GPU needed)
+    builds every kernel's cache key; CI runs this under Triton 3.6 in one leg."""
+    source = Path(kernels.__file__)
+    script = ("import triton; from qwen3vl_static import kernels_qwen3vl_graph as k; "
+              "jitted = [f for f in vars(k).values() if isinstance(f, triton.runtime.jit.JITFunction)]; "
+              "[f.cache_key for f in jitted]; print(len(jitted))")
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "0"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.split()[-1]) == source.read_text().count("@triton.jit")
