@@ -203,27 +203,30 @@ class DecodeRunner:
     def step(self, rows: int, kv_len: int, mode: str) -> None:
         """One decode step over the first `rows` rows, attending to the first `kv_len` cache slots."""
         logits = self.forward(rows, kv_len)
+        cache_lens, positions = self.cache_lens[:rows], self.positions[:, :rows]
         if mode == "logits":
             self.logits[:rows] = logits
+            self.ops.advance(cache_lens, positions)
             return
         tokens = None  # greedy: the argmax, inside finish_step
         if mode == "sample":
             tokens = sample_tokens(logits.float(), self.temperature[:rows], self.top_k[:rows], self.top_p[:rows])
         self.ops.finish_step(logits, tokens, self.unfinished[:rows], self.pad_id, self.eos_ids, self.input_ids[:rows],
-                             self.out_tokens[:rows], self.out_unfinished[:rows], self.chunk_step)
+                             self.out_tokens[:rows], self.out_unfinished[:rows], self.chunk_step, cache_lens, positions)
 
     def forward(self, rows: int, kv_len: int) -> torch.Tensor:
-        """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row."""
+        """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row. (The step's end
+        advances the rows' lengths and positions: `step`.)"""
         ops, text = self.ops, self.model.model.language_model
-        ids, positions, cache_lens = self.input_ids[:rows], self.positions[:, :rows], self.cache_lens[:rows]
-        hidden = text.embed_tokens(ids)[:, 0]
+        positions, cache_lens = self.positions[:, :rows], self.cache_lens[:rows]
+        first = text.layers[0].input_layernorm
+        hidden, x = ops.embed_rms_norm(self.input_ids[:rows, 0], text.embed_tokens.weight, first.weight,
+                                       first.variance_epsilon)
         rotary = ops.decode_rotary(text.rotary_emb, hidden, positions, self.rotary_components)  # shared by all layers
         context = ops.attention_context(self.attendable[:rows], self.row_ids[:rows], cache_lens, kv_len, hidden.dtype)
         # Each projection into the residual stream comes with the add and the RMSNorm that follow it (the
         # post-attention norm, the next layer's input norm or the final one).
         norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]
-        first = text.layers[0].input_layernorm
-        x = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
         layers = zip(text.layers, norms, self.cache.full_keys, self.cache.full_values, self.qkv_weights, self.gate_up_weights)
         for layer, next_norm, keys, values, qkv_weight, gate_up_weight in layers:
             attn, norm = layer.self_attn, layer.post_attention_layernorm
@@ -239,10 +242,7 @@ class DecodeRunner:
                 ops.linear_swiglu(x, gate_up_weight), layer.mlp.down_proj.weight, layer.mlp.down_proj.bias, hidden, next_norm.weight,
                 next_norm.variance_epsilon,
             )
-        logits = ops.linear(x, self.model.lm_head.weight)
-        cache_lens += 1
-        positions += 1
-        return logits
+        return ops.linear(x, self.model.lm_head.weight)
 
     # -- CUDA graphs ---------------------------------------------------------------------------------------
 

@@ -105,6 +105,12 @@ class TorchDecodeOps:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     @classmethod
+    def embed_rms_norm(cls, ids, table, weight, eps):
+        """The embeddings of token `ids` `(rows,)` (rows of `table`), then their RMSNorm: returns (embeddings, normed)."""
+        hidden = F.embedding(ids, table)
+        return hidden, cls.rms_norm(hidden, weight, eps)
+
+    @classmethod
     def add_rms_norm(cls, hidden, delta, weight, eps):
         """Residual add, then RMSNorm of the sum: returns (sum, normed sum)."""
         hidden = hidden + delta
@@ -182,11 +188,19 @@ class TorchDecodeOps:
         return cls.silu_mul(cls.linear(x, gate_up_weight))
 
     @staticmethod
-    def finish_step(logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished, chunk_step):
+    def advance(cache_lens, positions):
+        """The step's end for its rows: each row's cache length `(b,)` and M-RoPE positions `(3, b, 1)` move one on."""
+        cache_lens += 1
+        positions += 1
+
+    @classmethod
+    def finish_step(cls, logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished, chunk_step,
+                    cache_lens, positions):
         """The end of a sampling step, for rows `(b,)`: the greedy token (`tokens` None: argmax of `logits`, the first
         of equal maxima) or the drawn `tokens`; finished rows emit `pad_id` (as stock generate pads them) and an EOS
         token (`eos_ids`, -1 where unused) finishes its row. Feeds the token to the next step (`input_ids`), records
-        it and the flags in column `chunk_step` of `out_tokens` / `out_unfinished` and advances `chunk_step`."""
+        it and the flags in column `chunk_step` of `out_tokens` / `out_unfinished`, advances `chunk_step` and
+        `advance`s the rows' cache lengths and positions."""
         if tokens is None:
             tokens = logits.float().argmax(dim=-1)
         tokens = torch.where(unfinished, tokens, pad_id)
@@ -195,6 +209,7 @@ class TorchDecodeOps:
         out_tokens.index_copy_(1, chunk_step, tokens[:, None])
         out_unfinished.index_copy_(1, chunk_step, unfinished[:, None])
         chunk_step += 1
+        cls.advance(cache_lens, positions)
 
     @staticmethod
     def add_layer_norm(hidden, delta, weight, bias, eps):
@@ -250,15 +265,21 @@ if triton is not None:
         return total.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, splits, split_stride,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, splits, split_stride, ids,
+                             HAS_DELTA: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """RMSNorm of each row of `hidden` (HAS_DELTA: of `hidden + delta`, the sum stored to `sum_out`); GATHER: of row
+        `ids[row]` of `hidden` (an embedding table), the gathered row stored to `sum_out`."""
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         keep = cols < n_cols
         # Norm weights never change during a step, so they load before the PDL wait, during the previous kernel.
         w = tl.load(weight + cols, mask=keep, other=0.0).to(tl.float32)
         _wait_then_release(PDL)
-        x = tl.load(hidden + row * n_cols + cols, mask=keep, other=0.0)
+        if GATHER:
+            x = tl.load(hidden + tl.load(ids + row) * n_cols + cols, mask=keep, other=0.0)
+            tl.store(sum_out + row * n_cols + cols, x, mask=keep)
+        else:
+            x = tl.load(hidden + row * n_cols + cols, mask=keep, other=0.0)
         if HAS_DELTA:
             # The sum is rounded to storage precision first, exactly as `hidden + delta` would be.
             delta_x = _load_summed(delta, row * n_cols + cols, keep, splits, split_stride, x.dtype, "")
@@ -567,7 +588,7 @@ if triton is not None:
     def _finish_step_kernel(
         logits, n_vocab, stride_logits, part_value, part_index, tokens, unfinished, pad_id, eos_ids, input_ids,
         stride_input_ids, out_tokens, stride_out_tokens, out_unfinished, stride_out_unfinished, chunk_step, ticket, rows,
-        ARGMAX: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, ROWS_PAD: tl.constexpr, EOS_IDS: tl.constexpr,
+        cache_lens, positions, stride_positions, ARGMAX: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, ROWS_PAD: tl.constexpr, EOS_IDS: tl.constexpr,
         EOS_PAD: tl.constexpr, PDL: tl.constexpr,
     ):
         """`TorchDecodeOps.finish_step` in one launch instead of a dozen. ARGMAX: a program per (row, part of the
@@ -618,6 +639,12 @@ if triton is not None:
             tl.store(out_tokens + row_ids * stride_out_tokens + step, token, mask=real)
             tl.store(out_unfinished + row_ids * stride_out_unfinished + step, live, mask=real)
             tl.store(chunk_step, step + 1)
+            # Every earlier kernel of the step has finished (each waited for its predecessor): lengths and positions
+            # move on here, not in launches of their own.
+            tl.store(cache_lens + row_ids, tl.load(cache_lens + row_ids, mask=real) + 1, mask=real)
+            component = tl.arange(0, 4)[:, None] * stride_positions + row_ids[None, :]
+            in_positions = (tl.arange(0, 4)[:, None] < 3) & real[None, :]
+            tl.store(positions + component, tl.load(positions + component, mask=in_positions) + 1, mask=in_positions)
 
     @triton.jit(do_not_specialize=["rows", "splits"])
     def _qkv_norm_rope_write_kernel(
@@ -1063,9 +1090,18 @@ class TritonDecodeOps(TorchDecodeOps):
     @staticmethod
     def rms_norm(x, weight, eps):
         out = torch.empty_like(x)
-        _launch(_add_rms_norm_kernel, (x.shape[0],), x, x, weight, x, out, x.shape[1], eps, 1, 0, HAS_DELTA=False,
-                BLOCK=triton.next_power_of_2(x.shape[1]))
+        _launch(_add_rms_norm_kernel, (x.shape[0],), x, x, weight, x, out, x.shape[1], eps, 1, 0, x, HAS_DELTA=False,
+                GATHER=False, BLOCK=triton.next_power_of_2(x.shape[1]))
         return out
+
+    @staticmethod
+    def embed_rms_norm(ids, table, weight, eps):
+        # The gather inside the norm's launch: the step's first kernel is then one of the PDL chain, not torch's.
+        rows, width = ids.shape[0], table.shape[1]
+        hidden, out = torch.empty(2, rows, width, dtype=table.dtype, device=table.device)
+        _launch(_add_rms_norm_kernel, (rows,), table, table, weight, hidden, out, width, eps, 1, 0, ids, HAS_DELTA=False,
+                GATHER=True, BLOCK=triton.next_power_of_2(width))
+        return hidden, out
 
     @staticmethod
     def add_rms_norm(hidden, delta, weight, eps):
@@ -1073,7 +1109,8 @@ class TritonDecodeOps(TorchDecodeOps):
         (`skinny_matmul(..., partials=True)`), summed and rounded here."""
         total, out = torch.empty_like(hidden), torch.empty_like(hidden)
         _launch(_add_rms_norm_kernel, (hidden.shape[0],), hidden, delta, weight, total, out, hidden.shape[1], eps,
-                delta.numel() // hidden.numel(), hidden.numel(), HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden.shape[1]))
+                delta.numel() // hidden.numel(), hidden.numel(), hidden, HAS_DELTA=True, GATHER=False,
+                BLOCK=triton.next_power_of_2(hidden.shape[1]))
         return total, out
 
     @staticmethod
@@ -1129,7 +1166,8 @@ class TritonDecodeOps(TorchDecodeOps):
         return out
 
     @classmethod
-    def finish_step(cls, logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished, chunk_step):
+    def finish_step(cls, logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished, chunk_step,
+                    cache_lens, positions):
         rows, vocab = logits.shape
         greedy = tokens is None
         parts = 64 if greedy else 1  # of the vocabulary per row: the argmax reads it with many SMs
@@ -1138,7 +1176,8 @@ class TritonDecodeOps(TorchDecodeOps):
         _launch(_finish_step_kernel, (rows if greedy else 1, parts),
             logits, vocab, logits.stride(0), part_value, part_index, logits if greedy else tokens, unfinished, pad_id,
             eos_ids, input_ids, input_ids.stride(0), out_tokens, out_tokens.stride(0), out_unfinished,
-            out_unfinished.stride(0), chunk_step, cls.ticket(logits.device), rows, ARGMAX=greedy, PARTS=parts, BLOCK=1024,
+            out_unfinished.stride(0), chunk_step, cls.ticket(logits.device), rows, cache_lens, positions,
+            positions.stride(0), ARGMAX=greedy, PARTS=parts, BLOCK=1024,
             ROWS_PAD=max(2, triton.next_power_of_2(rows)), EOS_IDS=len(eos_ids), EOS_PAD=triton.next_power_of_2(len(eos_ids)),
         )
 

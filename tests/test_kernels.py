@@ -52,13 +52,18 @@ def poisoned_empty():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_add_rms_norm(dtype):
+def test_rms_norm_add_rms_norm_and_embed_rms_norm(dtype):
     hidden, delta, weight = randn(3, 200, dtype=dtype), randn(3, 200, dtype=dtype), randn(200, dtype=dtype)
     torch.testing.assert_close(Triton.rms_norm(hidden, weight, 1e-6), Torch.rms_norm(hidden, weight, 1e-6), **TOLERANCE[dtype])
     total, normed = Triton.add_rms_norm(hidden, delta, weight, 1e-6)
     expected_total, expected_normed = Torch.add_rms_norm(hidden, delta, weight, 1e-6)
     torch.testing.assert_close(total, expected_total, rtol=0, atol=0)  # the sum is rounded like torch's add
     torch.testing.assert_close(normed, expected_normed, **TOLERANCE[dtype])
+    table, ids = randn(50, 200, dtype=dtype), torch.tensor([7, 49, 7, 0], device=DEVICE)  # the step's first norm
+    with poisoned_empty():
+        embedded, normed_embedded = Triton.embed_rms_norm(ids, table, weight, 1e-6)
+    torch.testing.assert_close(embedded, table[ids], rtol=0, atol=0)
+    torch.testing.assert_close(normed_embedded, Torch.embed_rms_norm(ids, table, weight, 1e-6)[1], **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -328,12 +333,16 @@ def test_finish_step(dtype, greedy):
         out_tokens = torch.full((rows, 4), -5, device=DEVICE)
         out_unfinished = torch.zeros(rows, 4, dtype=torch.bool, device=DEVICE)
         chunk_step = torch.tensor([2], device=DEVICE)
+        positions = torch.arange(3 * 6, device=DEVICE).view(3, 6, 1)  # the runner's buffer has more rows than the step
+        cache_lens = torch.tensor([40, 41, 7, 40, 9, 9], device=DEVICE)
         ops.finish_step(logits, None if greedy else drawn, unfinished, torch.tensor(3, device=DEVICE), eos_ids, input_ids,
-                        out_tokens, out_unfinished, chunk_step)
-        states.append((unfinished, input_ids, out_tokens, out_unfinished, chunk_step))
+                        out_tokens, out_unfinished, chunk_step, cache_lens[:rows], positions[:, :rows])
+        states.append((unfinished, input_ids, out_tokens, out_unfinished, chunk_step, cache_lens, positions))
     for got, expected in zip(*reversed(states)):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    unfinished, input_ids, out_tokens, _, chunk_step = states[1]
+    unfinished, input_ids, out_tokens, _, chunk_step, cache_lens, positions = states[1]
+    assert cache_lens.tolist() == [41, 42, 8, 41, 9, 9]  # every row of the step moved on, finished ones too
+    assert positions[:, :, 0].tolist() == [[1, 2, 3, 4, 4, 5], [7, 8, 9, 10, 10, 11], [13, 14, 15, 16, 16, 17]]
     assert chunk_step.item() == 3 and (out_tokens[:, 2] == input_ids[:, 0]).all() and (out_tokens[:, [0, 1, 3]] == -5).all()
     if greedy:
         assert input_ids[:2, 0].tolist() == [5, 3071] and input_ids[2, 0] == 3  # row 2 was finished: pad
