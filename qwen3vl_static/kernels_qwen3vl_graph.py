@@ -588,13 +588,13 @@ if triton is not None:
     def _finish_step_kernel(
         logits, n_vocab, stride_logits, part_value, part_index, tokens, unfinished, pad_id, eos_ids, input_ids,
         stride_input_ids, out_tokens, stride_out_tokens, out_unfinished, stride_out_unfinished, chunk_step, ticket, rows,
-        cache_lens, positions, stride_positions, ARGMAX: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, ROWS_PAD: tl.constexpr, EOS_IDS: tl.constexpr,
-        EOS_PAD: tl.constexpr, PDL: tl.constexpr,
+        cache_lens, positions, stride_positions, ARGMAX: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+        ROWS_PAD: tl.constexpr, EOS_IDS: tl.constexpr, EOS_PAD: tl.constexpr, PDL: tl.constexpr,
     ):
         """`TorchDecodeOps.finish_step` in one launch instead of a dozen. ARGMAX: a program per (row, part of the
         vocabulary) finds the part's largest logit and its first index, and the last program to finish (a ticket
         counts them) picks each row's token from the parts; else one program takes the drawn `tokens`. That last
-        program alone finishes the step, for every row."""
+        program alone finishes the step, for every row, lengths and positions included."""
         _wait_then_release(PDL)
         if ARGMAX:
             row, part = tl.program_id(0), tl.program_id(1)
@@ -1097,7 +1097,7 @@ class TritonDecodeOps(TorchDecodeOps):
     @staticmethod
     def embed_rms_norm(ids, table, weight, eps):
         # The gather inside the norm's launch: the step's first kernel is then one of the PDL chain, not torch's.
-        rows, width = ids.shape[0], table.shape[1]
+        ids, (rows, width) = ids.contiguous(), (ids.shape[0], table.shape[1])  # the runner's ids are: no copy
         hidden, out = torch.empty(2, rows, width, dtype=table.dtype, device=table.device)
         _launch(_add_rms_norm_kernel, (rows,), table, table, weight, hidden, out, width, eps, 1, 0, ids, HAS_DELTA=False,
                 GATHER=True, BLOCK=triton.next_power_of_2(width))
