@@ -28,13 +28,12 @@ class GraphCapturer:
         """
         began = time.perf_counter()
         with self.restoring(state):
-            if self.stream is None:
-                self.stream = torch.cuda.Stream()
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
+            stream = self.side_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
                 for _ in range(2):
                     step()
-            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.current_stream().wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
@@ -47,6 +46,13 @@ class GraphCapturer:
         else:
             logger.info(message)
         return graph
+
+    def side_stream(self) -> torch.cuda.Stream:
+        """The model's one stream beside the default one: captures warm up on it, and the vision tower runs ahead on
+        it (`VisionRunner.encode_ahead`)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        return self.stream
 
     @staticmethod
     @contextmanager

@@ -164,6 +164,7 @@ class VisionRunner:
         self.merged = buffer(merged, config.out_hidden_size)
         self.deepstack = buffer(len(visual.deepstack_visual_indexes), merged, config.out_hidden_size)
         self.one_segment = torch.tensor([0, patches], dtype=torch.int32, device=device)
+        self.ahead = None  # `encode_ahead`'s pending result
 
     def current(self) -> bool:
         """False once the tower's weights were replaced or moved (graphs hold their addresses)."""
@@ -201,6 +202,9 @@ class VisionRunner:
         [(n, out_hidden)])` for all images of the call, in order; new tensors (the next call reuses the buffers)."""
         grids = [tuple(grid) for grid in grid_thw.tolist()]  # the one host read of a vision call
         patches = pixel_values.shape[0]
+        ahead = self.join_ahead()
+        if ahead is not None and ahead[:2] == (grids, tuple(pixel_values.shape)):
+            return self.outputs(patches)
         if patches != sum(t * h * w for t, h, w in grids):
             raise ValueError(
                 f"The pixel values hold {patches} patches but grid_thw {grids} describes "
@@ -213,7 +217,49 @@ class VisionRunner:
             cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(pixel_values.device)
             positions, cos, sin, _ = (torch.cat(parts) for parts in zip(*tables))
             return self.tower(pixel_values.to(self.dtype), positions, cos, sin, cu_seqlens)
-        size, masked = shape
+        self.load(pixel_values, grids, tables, shape)
+        if self.use_graphs:
+            self.replay(self.graphs.get(shape) or self.capture(*shape), shape)
+        else:
+            self.step(*shape)
+        return self.outputs(patches)
+
+    def encode_ahead(self, pixel_values, grid_thw) -> None:
+        """Start encoding a `generate` call's images on the side stream as the call begins, so that the tower runs
+        while `generate` prepares its inputs: that is host work, with host reads that would wait for a tower queued
+        on the default stream. The next `encode` takes the result when it gets the same grids and pixel shape (the
+        call's images are encoded first, in every supported release), else it waits for it and encodes anew.
+        Only the replay of an already captured graph runs ahead; anything else is left to `encode`."""
+        tensors = isinstance(pixel_values, torch.Tensor) and isinstance(grid_thw, torch.Tensor)
+        if not (self.use_graphs and tensors and pixel_values.device == self.pixels.device and grid_thw.shape[1:] == (3,)):
+            return
+        grids = [tuple(grid) for grid in grid_thw.tolist()]  # the default stream is idle: no wait
+        shape = self.shape(pixel_values.shape[0], sum(t for t, _, _ in grids))
+        graph = self.graphs.get(shape)
+        if graph is None or pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
+            return
+        tables = [self.table(grid) for grid in grids]  # on the default stream: cached tables outlive this call
+        self.join_ahead()
+        stream = self.capturer.side_stream()
+        stream.wait_stream(torch.cuda.current_stream())  # the pixels, and any graph still running on that stream
+        with torch.cuda.stream(stream):
+            self.load(pixel_values, grids, tables, shape)
+            self.replay(graph, shape)
+            done = torch.cuda.Event()
+            done.record()
+        self.ahead = (grids, tuple(pixel_values.shape), done)
+
+    def join_ahead(self):
+        """The encoding run ahead, `(grids, pixel shape, event)`, or None; the current stream waits for it (its
+        buffers are read or overwritten next). Clears it: it serves one `encode`."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            torch.cuda.current_stream().wait_event(ahead[2])
+        return ahead
+
+    def load(self, pixel_values, grids, tables, shape) -> None:
+        """The call's pixels and position tables into the buffers of a `shape` step."""
+        (size, masked), patches = shape, pixel_values.shape[0]
         start, segment = 0, 0
         for (t, _, _), (positions, cos, sin, frames) in zip(grids, tables):
             end = start + frames.shape[0]
@@ -226,16 +272,16 @@ class VisionRunner:
         if masked:
             self.segments[patches:size] = -1  # padding: a segment of its own
         self.pixels[:patches] = pixel_values
-        if self.use_graphs:
-            graph = self.graphs.get(shape) or self.capture(size, masked)
-            if not masked:  # one graph per image size: keep the most recently used sizes
-                self.graphs.move_to_end(shape)
-                singles = [key for key in self.graphs if not key[1]]
-                for key in singles[: max(0, len(singles) - self.table_cache_size)]:
-                    del self.graphs[key]
-            graph.replay()
-        else:
-            self.step(size, masked)
+
+    def replay(self, graph, shape) -> None:
+        if not shape[1]:  # one graph per image size: keep the most recently used sizes
+            self.graphs.move_to_end(shape)
+            singles = [key for key in self.graphs if not key[1]]
+            for key in singles[: max(0, len(singles) - self.table_cache_size)]:
+                del self.graphs[key]
+        graph.replay()
+
+    def outputs(self, patches: int):
         merged = patches // self.unit
         return self.hidden[:patches].clone(), self.merged[:merged].clone(), [part[:merged].clone() for part in self.deepstack]
 

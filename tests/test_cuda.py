@@ -182,6 +182,30 @@ def test_vision_features_and_prefill_logits_match_stock(models, sides):
     assert ours._prefill_runner.graphs and ours.model.visual.runner.graphs
 
 
+def test_vision_runs_ahead_on_the_side_stream(models, monkeypatch):
+    """generate starts a captured vision graph on the side stream before it prepares its inputs, and the encode that
+    follows takes that result instead of running the tower again; tokens equal the eager static path's. An encode of
+    other images after a run ahead waits for it and encodes its own."""
+    ours, _ = models
+    runner = ours.model.visual.runner
+    prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(10))
+    generate(ours, prompt, 8)  # captures this image size's graph
+    streams = []
+    load = runner.load
+    monkeypatch.setattr(runner, "load", lambda *args: (streams.append(torch.cuda.current_stream()), load(*args))[1])
+    graph = generate(ours, prompt, 64)
+    monkeypatch.undo()
+    assert streams == [runner.capturer.side_stream()] and runner.ahead is None  # loaded once, on the side stream
+    assert graph.tolist() == generate(ours, prompt, 64, graphs=False).tolist()
+    other = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(11), sides=(224,))
+    with torch.no_grad():
+        expected = runner.encode(other["pixel_values"], other["image_grid_thw"])
+        runner.encode_ahead(prompt["pixel_values"], prompt["image_grid_thw"])
+        got = runner.encode(other["pixel_values"], other["image_grid_thw"])
+    assert runner.ahead is None
+    assert all(torch.equal(a, b) for a, b in zip([got[0], got[1], *got[2]], [expected[0], expected[1], *expected[2]]))
+
+
 def test_bucket_switch_mid_generation(models):
     ours, _ = models
     prompt = text_prompt(ours.config, 2, 200, "cuda", torch.Generator().manual_seed(3))
