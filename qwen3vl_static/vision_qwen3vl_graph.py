@@ -13,7 +13,8 @@
   block-diagonal mask, so real patches never see them. (On an H200, a 448x448 image took 1.99 ms at its exact
   size against 2.32 ms padded to the 896 bucket with the mask: bench/results/*vision-bucket-probe.json.)
   Every caller of the tower (generate's pre-encoding on 5.2x, the stock forward, `get_image_features`) gets
-  the fast path.
+  the fast path. `generate` also starts a call's images on the side stream as it begins (`encode_ahead`), so the
+  tower runs while transformers prepares the inputs; the call's first encode takes that result.
 - The runner's blocks fuse each residual add with the LayerNorm after it, and (CUDA) the MLP's GELU with its
   first projection, on the stock parameters.
 """
