@@ -220,7 +220,7 @@ class VisionRunner:
             return self.tower(pixel_values.to(self.dtype), positions, cos, sin, cu_seqlens)
         self.load(pixel_values, grids, tables, shape)
         if self.use_graphs:
-            self.replay(self.graphs.get(shape) or self.capture(*shape), shape)
+            self.replay(shape)
         else:
             self.step(*shape)
         return self.outputs(patches)
@@ -236,19 +236,17 @@ class VisionRunner:
             return
         grids = [tuple(grid) for grid in grid_thw.tolist()]  # the default stream is idle: no wait
         shape = self.shape(pixel_values.shape[0], sum(t for t, _, _ in grids))
-        graph = self.graphs.get(shape)
-        if graph is None or pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
+        if shape not in self.graphs or pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
             return
         tables = [self.table(grid) for grid in grids]  # on the default stream: cached tables outlive this call
-        self.join_ahead()
         stream = self.capturer.side_stream()
         stream.wait_stream(torch.cuda.current_stream())  # the pixels, and any graph still running on that stream
         with torch.cuda.stream(stream):
             self.load(pixel_values, grids, tables, shape)
-            self.replay(graph, shape)
+            self.replay(shape)
             done = torch.cuda.Event()
             done.record()
-        self.ahead = (grids, tuple(pixel_values.shape), done)
+        self.ahead = (grids, tuple(pixel_values.shape), done)  # one left untaken ran before it on the same stream
 
     def join_ahead(self):
         """The encoding run ahead, `(grids, pixel shape, event)`, or None; the current stream waits for it (its
@@ -274,7 +272,9 @@ class VisionRunner:
             self.segments[patches:size] = -1  # padding: a segment of its own
         self.pixels[:patches] = pixel_values
 
-    def replay(self, graph, shape) -> None:
+    def replay(self, shape) -> None:
+        """Replay the graph of `shape`, captured first if it is new."""
+        graph = self.graphs.get(shape) or self.capture(*shape)
         if not shape[1]:  # one graph per image size: keep the most recently used sizes
             self.graphs.move_to_end(shape)
             singles = [key for key in self.graphs if not key[1]]
