@@ -4,7 +4,8 @@ Allocated once for `max_batch_size` rows x `static_cache_len` slots, so the tens
 bake in never change. A request activates the rows and slots it needs as views of the same storage; `reset()`
 rewinds the write position and `set_length()` records the filled length (on transformers 4.57, which counts the
 non-zero slots, by zeroing the slots past it): no path ever reads a slot that the current request has not
-written.
+written. A later turn that passes the returned cache back `resume()`s it instead: wider views, what it holds
+kept, and `tokens` says which token ids those slots hold.
 """
 
 import torch
@@ -27,6 +28,9 @@ class ASStaticCache(StaticCache):
         self.capacity = static_cache_len
         self.full_keys = [layer.keys for layer in self.layers]
         self.full_values = [layer.values for layer in self.layers]
+        # The token ids `(rows, n)` whose K/V fill the first n slots after the static loop, None after anything else.
+        self.tokens = None
+        self.resumed = False  # this request continues what the cache holds
 
     def check_capacity(self, batch_size: int, needed_len: int) -> None:
         """Raise before anything is written when a request does not fit."""
@@ -46,11 +50,23 @@ class ASStaticCache(StaticCache):
     def activate(self, batch_size: int, length: int) -> None:
         """Start a request of `batch_size` rows needing `length` slots: the layers see views of the persistent
         storage of exactly that size (what the cache returned by `generate` shows), write position 0."""
+        self._view(batch_size, length)
+        self.reset()
+        self.tokens, self.resumed = None, False
+
+    def resume(self, batch_size: int, length: int) -> None:
+        """Continue a request from what the cache holds (it was passed back to `generate`): views of `length` slots,
+        the filled ones kept, the ones past them empty."""
+        held = int(self.get_seq_length())
+        self._view(batch_size, length)
+        self.set_length(held)
+        self.resumed = True
+
+    def _view(self, batch_size: int, length: int) -> None:
         for layer, keys, values in zip(self.layers, self.full_keys, self.full_values):
             layer.keys, layer.values = keys[:batch_size, :, :length], values[:batch_size, :, :length]
             layer.batch_size = batch_size
             layer.max_cache_len = length
-        self.reset()
 
     def reset(self) -> None:
         rewind_layers(self.length_counters)

@@ -76,10 +76,16 @@ def record_length(layers, counters, length: int) -> None:
         layer.values[:, :, length:].zero_()
 
 
-def prompt_positions(model, input_ids, model_kwargs) -> torch.Tensor:
-    """M-RoPE T/H/W positions `(3, B, S)` of the prompt, as the stock prefill would use them."""
-    if model_kwargs.get("position_ids") is not None:  # 5.x: computed by generate, `(4, B, S)` with text first
-        return model_kwargs["position_ids"][1:]
+def prompt_positions(model, input_ids, model_kwargs, start: int = 0) -> torch.Tensor:
+    """M-RoPE T/H/W positions `(3, B, S - start)` of the prompt's tokens from `start` on (the ones not in the cache),
+    as the stock forward would use them."""
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is not None:  # 5.x: computed by generate, `(4, B, S)` with text first, or text only `(1, B, S)`
+        # when continuing a cache (text positions plus the `rope_deltas` of the call that filled it)
+        return (position_ids[1:] if position_ids.shape[0] == 4 else position_ids.expand(3, -1, -1))[..., start:]
+    if start:  # 4.57 continuing a cache: plain token indices plus the stored per-row offset
+        offsets = model.model.rope_deltas.view(1, -1, 1)
+        return torch.arange(start, input_ids.shape[1], device=input_ids.device).view(1, 1, -1) + offsets.expand(3, -1, -1)
     # 4.57: the stock forward computes them in prefill and keeps the per-row offset for the decode steps.
     positions, model.model.rope_deltas = model.model.get_rope_index(
         input_ids, model_kwargs.get("image_grid_thw"), model_kwargs.get("video_grid_thw"), model_kwargs.get("attention_mask")
@@ -87,10 +93,10 @@ def prompt_positions(model, input_ids, model_kwargs) -> torch.Tensor:
     return positions
 
 
-def first_decode_positions(model, model_kwargs, prompt_len: int) -> torch.Tensor:
-    """M-RoPE T/H/W positions `(3, B, 1)` of the first generated token, after prefill."""
-    if model_kwargs.get("position_ids") is not None:  # 5.x: computed by generate, `(4, B, S)`
-        return model_kwargs["position_ids"][1:, :, -1:] + 1
+def first_decode_positions(model, model_kwargs, positions, prompt_len: int) -> torch.Tensor:
+    """M-RoPE T/H/W positions `(3, B, 1)` of the first generated token, after the prompt's `positions`."""
+    if model_kwargs.get("position_ids") is not None:  # 5.x: one past the prompt's last
+        return positions[:, :, -1:] + 1
     # 4.57: the forward kept the per-row offset of the prompt's positions from plain token indices.
     rope_deltas = model.model.rope_deltas
     return (prompt_len + rope_deltas.view(1, -1, 1)).expand(3, -1, -1)
@@ -171,3 +177,8 @@ def portable_config_dict(config_dict: dict) -> dict:
 def generate_output(sequences, scores, logits, cache) -> GenerateDecoderOnlyOutput:
     """`GenerateDecoderOnlyOutput` as the installed transformers spells it."""
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
+
+
+def returned_cache(output):
+    """The cache that a dict output of `generate` returns, under the installed transformers' field name."""
+    return getattr(output, _OUTPUT_CACHE_FIELD)

@@ -6,14 +6,16 @@ this class saves loads into the stock class). `generate()` keeps all of transfor
 - hands generate its one persistent `ASStaticCache` (`_prepare_cache_for_generation`), and
 - owns prefill and the decode loop (`_sample`): `VisionRunner` encodes the images and videos, `PrefillRunner`
   writes the prompt into that cache and gives the first token's logits, then `DecodeRunner` steps.
-Anything the loop does not cover (beam search, assisted decoding, attention/hidden-state outputs, a cache
-passed by the caller, ...) runs transformers' own code path.
+A later turn may pass the returned cache back (`past_key_values=` / `cache=`, as with stock): when the new prompt
+extends the tokens the cache holds, only its new tokens are prefilled. Anything the loop does not cover (beam
+search, assisted decoding, attention/hidden-state outputs, a cache of another kind, ...) runs transformers' own
+code path.
 """
 
 import threading
 import time
 from collections import deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -72,11 +74,6 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             block.attn = _same_weights(
                 Qwen3VLGraphVisionAttention(config.vision_config, self._vision_mask, config.use_triton_kernels), block.attn
             )
-        if config.allow_tf32:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        if config.cudnn_benchmark:
-            torch.backends.cudnn.benchmark = True
         self._static_cache = None
         self._runner = self._prefill_runner = None
         # The last `warmup()`: seconds of its compile-ahead pass ("compile": compiling, plus each step's first eager
@@ -87,16 +84,37 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         self._generate_lock = threading.RLock()
 
     def generate(self, *args, **kwargs):
-        with self._generate_lock:
+        with self._generate_lock, self.backend_flags():
+            # Before anything is queued or written (a bad token id would fail inside a CUDA kernel).
+            _check_generate_inputs(self.config, kwargs.get("input_ids", args[0] if args else None), kwargs)
             self.static_cache()  # before generate's own steps: transformers 5.2x runs the vision tower early
             # The tower runs on the side stream while generate prepares its inputs (host work, ~3 ms on an H200
             # host); whichever path encodes the images then takes the result.
             vision = self.model.visual.runner
-            vision.encode_ahead(kwargs.get("pixel_values"), kwargs.get("image_grid_thw"))
+            videos = kwargs.get("pixel_values_videos") is not None
+            vision.encode_ahead(kwargs.get("pixel_values"), kwargs.get("image_grid_thw"), videos=videos)
             try:
                 return super().generate(*args, **kwargs)
             finally:
                 vision.join_ahead()  # not taken (an error, or a path that never encoded): its buffers are free again
+
+    @contextmanager
+    def backend_flags(self):
+        """torch's global TF32 / cuDNN-benchmark flags as the config opts in (`allow_tf32`, `cudnn_benchmark`), for
+        the model's own work only (`generate`, `warmup`): the process's flags are restored on the way out."""
+        flags = {}
+        if self.config.allow_tf32:
+            flags.update({(torch.backends.cuda.matmul, "allow_tf32"): True, (torch.backends.cudnn, "allow_tf32"): True})
+        if self.config.cudnn_benchmark:
+            flags[(torch.backends.cudnn, "benchmark")] = True
+        saved = {key: getattr(*key) for key in flags}
+        try:
+            for (owner, name), value in flags.items():
+                setattr(owner, name, value)
+            yield
+        finally:
+            for (owner, name), value in saved.items():
+                setattr(owner, name, value)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Name every Auto class in `auto_map`, not only the ones the classes were registered for.
@@ -120,29 +138,34 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             or not self.model.visual.runner.current()
         )
         if stale:
-            # Free the old cache and graphs before allocating new ones.
-            self._static_cache = self._runner = self._prefill_runner = self.model.visual.runner = None
-            config = self.config
-            cache = ASStaticCache(config, config.max_batch_size, config.static_cache_len, weight.device, weight.dtype)
-            self._static_cache = cache
-            ops = decode_ops(weight.device, weight.dtype, config.use_triton_kernels)
-            capturer = GraphCapturer()  # one memory pool for every graph of the model
-            graphs = config.use_cuda_graphs
-            # On CUDA, prompts and images are padded to buckets with or without graphs: the eager path then
-            # computes on the graphs' shapes, so the two give the same numbers.
-            bucketed = weight.device.type == "cuda"
-            self._runner = DecodeRunner(
-                self, cache, ops, config.batch_buckets(), config.cache_buckets(), config.steps_per_sync, capturer, graphs
-            )
-            self._prefill_runner = PrefillRunner(
-                self, cache, ops, (self._runner.qkv_weights, self._runner.gate_up_weights), config.batch_buckets(),
-                config.prompt_buckets(), config.prefill_graph_tokens, capturer, graphs, bucketed,
-            )
-            self.model.visual.runner = VisionRunner(
-                self.model.visual, self._vision_mask, config.patch_buckets(), config.vision_table_cache_size, capturer,
-                graphs, bucketed, config.use_triton_kernels,
-            )
-        return cache
+            with torch.inference_mode(False):  # buffers that later calls update in place, inside inference mode or not
+                self._build_static_path(weight)
+        return self._static_cache
+
+    def _build_static_path(self, weight) -> None:
+        """The persistent cache, runners and graph capturer for the weights' device and dtype."""
+        # Free the old cache and graphs before allocating new ones.
+        self._static_cache = self._runner = self._prefill_runner = self.model.visual.runner = None
+        config = self.config
+        cache = ASStaticCache(config, config.max_batch_size, config.static_cache_len, weight.device, weight.dtype)
+        self._static_cache = cache
+        ops = decode_ops(weight.device, weight.dtype, config.use_triton_kernels)
+        capturer = GraphCapturer()  # one memory pool for every graph of the model
+        graphs = config.use_cuda_graphs
+        # On CUDA, prompts and images are padded to buckets with or without graphs: the eager path then
+        # computes on the graphs' shapes, so the two give the same numbers.
+        bucketed = weight.device.type == "cuda"
+        self._runner = DecodeRunner(
+            self, cache, ops, config.batch_buckets(), config.cache_buckets(), config.steps_per_sync, capturer, graphs
+        )
+        self._prefill_runner = PrefillRunner(
+            self, cache, ops, (self._runner.qkv_weights, self._runner.gate_up_weights), config.batch_buckets(),
+            config.prompt_buckets(), config.cache_buckets(), config.prefill_graph_tokens, capturer, graphs, bucketed,
+        )
+        self.model.visual.runner = VisionRunner(
+            self.model.visual, self._vision_mask, config.patch_buckets(), config.vision_table_cache_size, capturer,
+            graphs, bucketed, config.use_triton_kernels,
+        )
 
     def set_cuda_graphs(self, enabled: bool) -> None:
         """Turn graph replay on or off at runtime (captured graphs are kept). Off, the same steps run eagerly on
@@ -156,8 +179,9 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         """Why this call must run transformers' own loop, or None when the static loop covers it."""
         if generation_mode not in _LOOP_MODES:
             return f"generation mode {generation_mode.value!r}"
-        if model_kwargs.get(CACHE_KWARG) is not None:
-            return "a cache passed by the caller"
+        passed = model_kwargs.get(CACHE_KWARG)
+        if passed is not None and passed is not self._static_cache:
+            return f"a cache passed by the caller ({type(passed).__name__}, not the one this model returns)"
         if generation_config.cache_implementation not in (None, "static"):
             return f"cache_implementation={generation_config.cache_implementation!r}"
         if generation_config.use_cache is False:
@@ -178,15 +202,20 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ):
         blocker = self._static_loop_blocker(generation_config, model_kwargs, generation_mode)
+        cache = self._static_cache  # checked and current: `generate` called `static_cache()` under its lock
+        resumed = model_kwargs.get(CACHE_KWARG) is cache
         if blocker is not None:
             logger.warning_once(f"{type(self).__name__}: {blocker} runs transformers' stock generation loop.")
-            return super()._prepare_cache_for_generation(
-                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
-            )
+            if not resumed:
+                return super()._prepare_cache_for_generation(
+                    generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+                )
         rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences)
-        cache = self._static_cache  # checked and current: `generate` called `static_cache()` under its lock
         cache.check_capacity(rows, max_cache_length)
-        cache.activate(rows, max_cache_length)
+        if resumed:  # a later turn: the cache keeps what it holds, whichever loop runs
+            cache.resume(rows, max_cache_length)
+        else:
+            cache.activate(rows, max_cache_length)
         model_kwargs[CACHE_KWARG] = cache
 
     def warmup(
@@ -206,7 +235,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         """
         self.static_cache()
         runner, prefill, vision = self._runner, self._prefill_runner, self.model.visual.runner
-        with self._generate_lock, torch.no_grad():
+        with self._generate_lock, self.backend_flags(), torch.no_grad():
             batch_sizes = batch_sizes or runner.batch_buckets
             pending = [(runner, key) for key in runner.warmup_keys(batch_sizes, cache_lengths or runner.cache_buckets, modes)]
             pending += [(prefill, key) for key in prefill.warmup_keys(batch_sizes, prompt_lengths or prefill.token_buckets)]
@@ -251,47 +280,45 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         streamer=None,
         **model_kwargs,
     ):
-        static = model_kwargs.get(CACHE_KWARG) is self._static_cache
-        if synced_gpus or not static:
-            if static:  # transformers' loop on the static cache: empty for 4.57 too, which counts non-zero slots
-                self._static_cache.set_length(0)
+        cache = self._static_cache
+        static = model_kwargs.get(CACHE_KWARG) is cache
+        start = _cached_prefix(cache, input_ids, model_kwargs) if static else None
+        if synced_gpus or start is None:
+            if static:  # transformers' loop on the static cache: what it then holds is not recorded
+                if not cache.resumed:  # empty for 4.57 too, which counts non-zero slots
+                    cache.set_length(0)
+                cache.tokens = None
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
         runner = self._runner
-        logits = self._prefill_prompt(input_ids, model_kwargs)
-        positions = first_decode_positions(self, model_kwargs, input_ids.shape[1])
-        runner.start(positions, model_kwargs.get("attention_mask"), input_ids.shape[1])
+        logits, positions = self._prefill_prompt(input_ids, model_kwargs, start)
+        runner.start(first_decode_positions(self, model_kwargs, positions, input_ids.shape[1]),
+                     model_kwargs.get("attention_mask"), input_ids.shape[1])
         plan = _device_plan(logits_processor, stopping_criteria, generation_config)
         if plan is None:
             return self._host_loop(input_ids, logits, logits_processor, stopping_criteria, generation_config, streamer)
         return self._device_loop(input_ids, logits, plan, generation_config, streamer)
 
-    def _prefill_prompt(self, input_ids, model_kwargs) -> torch.Tensor:
-        """Vision tower and prompt prefill into the static cache; returns the float32 logits of the last position."""
-        # Placeholder counts and whether the prompt has padding: one host read, before the tower is queued (a read
-        # after it would wait for it).
-        placeholders = (input_ids[..., None] == input_ids.new_tensor([self.config.image_token_id, self.config.video_token_id]))
+    def _prefill_prompt(self, input_ids, model_kwargs, start: int):
+        """Vision tower and prefill of the prompt's tokens from slot `start` on (the cache holds the ones before) into
+        the static cache; returns the float32 logits of the last position and the new tokens' M-RoPE positions."""
+        new = input_ids[:, start:]
+        # Whether the prompt has padding: a host read before the tower is queued (a read after it would wait for it).
         attention_mask = model_kwargs.get("attention_mask")
-        checks = placeholders.sum((0, 1))
-        if attention_mask is not None:
-            checks = torch.cat([checks, (attention_mask == 0).any().long()[None]])
-        checks = checks.tolist()
-        counts, padded = dict(zip((self.config.image_token_id, self.config.video_token_id), checks)), any(checks[2:])
-        media = media_features(self, model_kwargs)
-        for kind, token, features, _ in media:  # as stock checks, before the prompt is written
-            tokens = counts[token]
-            if tokens != features.shape[0]:
-                raise ValueError(
-                    f"{kind.capitalize()} features and {kind} tokens do not match: the prompt has {tokens} {kind} "
-                    f"tokens, the {kind}s give {features.shape[0]} features."
-                )
+        padded = attention_mask is not None and bool((attention_mask == 0).any())
+        media = media_features(self, model_kwargs)  # placeholders and features agree (`_check_generate_inputs`)
+        # Placeholders of a kind with no features are embedded as text, as stock does.
+        modality = torch.zeros_like(new)
         visual, deepstack = None, ()
         if media:
+            for kind, token, _, _ in media:
+                modality += (new == token) * (1 if kind == "image" else 2)
             visual = torch.cat([features for _, _, features, _ in media])
             deepstack = [torch.cat(layer) for layer in zip(*(layers for _, _, _, layers in media))]
-        positions = prompt_positions(self, input_ids, model_kwargs)
-        return self._prefill_runner.run(input_ids, attention_mask, positions, visual, deepstack, padded)
+        positions = prompt_positions(self, input_ids, model_kwargs, start)
+        logits = self._prefill_runner.run(new, attention_mask, positions, modality, visual, deepstack, padded, start)
+        return logits, positions
 
     def _device_loop(self, input_ids, logits, plan, generation_config, streamer):
         """Sampling and EOS checks on the device, `steps_per_sync` steps per host read, one chunk queued ahead."""
@@ -362,7 +389,9 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                             generation_config, streamer)
 
     def _finish(self, sequences, scores, raw_logits, generation_config, streamer):
-        self._static_cache.set_length(sequences.shape[1] - 1)
+        cache = self._static_cache
+        cache.set_length(sequences.shape[1] - 1)  # the last token is never fed back
+        cache.tokens = sequences[:, :-1].clone()
         if streamer is not None:
             streamer.end()
         if generation_config.return_dict_in_generate:
@@ -379,27 +408,93 @@ def _same_weights(module: nn.Module, stock: nn.Module) -> nn.Module:
     return module
 
 
+def _check_generate_inputs(config, input_ids, kwargs) -> None:
+    """Raise a `ValueError` that names the problem for inputs that would fail deep inside `generate` or, worse, inside
+    a kernel: token ids outside the vocabulary, an attention mask of another shape, pixels without their grid, and
+    image (video) placeholders in the prompt's uncached tokens that do not match the pixels' merged patches."""
+    if not isinstance(input_ids, torch.Tensor) or not input_ids.numel():
+        return  # inputs_embeds, or transformers' own error for what it cannot read
+    attention_mask = kwargs.get("attention_mask")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}: they "
+            f"must match (one flag per token)."
+        )
+    cache = kwargs.get(CACHE_KWARG)
+    uncached = input_ids[:, int(cache.get_seq_length()) if cache is not None else 0 :]
+    media = [(kind, token, kwargs.get(pixels), kwargs.get(f"{kind}_grid_thw"))
+             for kind, token, pixels in (("image", config.image_token_id, "pixel_values"),
+                                         ("video", config.video_token_id, "pixel_values_videos"))]
+    for kind, _, pixels, grid in media:
+        if pixels is not None and grid is None:
+            raise ValueError(f"{kind} pixels were passed without `{kind}_grid_thw`: pass the processor's {kind}_grid_thw "
+                             f"with them (the {kind}s' patch grids).")
+    # One host read for every check below.
+    stats = [input_ids.min(), input_ids.max(), *((uncached == token).sum() for _, token, _, _ in media)]
+    stats += [grid.prod(-1).sum().to(input_ids.device) for _, _, pixels, grid in media if pixels is not None]
+    low, high, *counts = torch.stack([value.to(input_ids.device) for value in stats]).tolist()
+    vocab = config.get_text_config(decoder=True).vocab_size
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids holds token ids from {low} to {high}, outside the vocabulary [0, {vocab}).")
+    tokens, patches = counts[:2], iter(counts[2:])
+    unit = config.vision_config.spatial_merge_size**2
+    for (kind, _, pixels, _), count in zip(media, tokens):
+        if pixels is None:
+            continue
+        described = next(patches)
+        if described != pixels.shape[0]:
+            raise ValueError(
+                f"The {kind} pixel values hold {pixels.shape[0]} patches but {kind}_grid_thw describes {described}."
+            )
+        if count != described // unit:
+            raise ValueError(
+                f"{kind.capitalize()} features and {kind} tokens do not match: the prompt has {count} {kind} tokens "
+                f"to fill, {kind}_grid_thw gives {described // unit} features ({described} patches / "
+                f"spatial_merge_size**2)."
+            )
+
+
+def _cached_prefix(cache: ASStaticCache, input_ids, model_kwargs) -> int | None:
+    """Slots of the static cache that the prompt continues from: 0 for a new request; for a resumed one, the tokens it
+    holds when every row of the prompt starts with them and goes on past them with text only, else None:
+    transformers' own loop then continues from whatever the cache holds, as it would. (New images in a later turn
+    take that loop too: releases differ in how they place them after a cache.)"""
+    if not cache.resumed:
+        return 0
+    held = cache.tokens
+    media = any(model_kwargs.get(key) is not None for key in ("pixel_values", "pixel_values_videos"))
+    media = media or bool(model_kwargs.get("mm_encoder_outputs"))  # 5.2x: pre-encoded, an empty dict without media
+    if media or held is None or held.shape[0] != input_ids.shape[0] or held.shape[1] >= input_ids.shape[1]:
+        return None
+    return held.shape[1] if torch.equal(input_ids[:, : held.shape[1]], held.to(input_ids.device)) else None
+
+
 def _device_plan(logits_processor, stopping_criteria, generation_config) -> dict | None:
     """What the device loop needs to reproduce these processors and criteria, or None when it cannot.
 
-    Covered: greedy, or sampling with temperature / top-k / top-p (transformers' order), stopping on max length
-    and up to MAX_EOS_IDS EOS ids. Anything else (other processors, stop strings, custom criteria, returned
-    scores) runs the host loop.
+    Covered: greedy, or sampling with temperature, top-k and top-p, each at most once and in that order (the
+    sampler's, which is transformers' own when it builds them from the generation config), stopping on max length
+    and up to MAX_EOS_IDS EOS ids. Anything else (other processors or orders, stop strings, custom criteria,
+    returned scores) runs the host loop.
     """
     if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
         return None
     plan = {"mode": "sample" if generation_config.do_sample else "greedy",
             "temperature": 1.0, "top_k": None, "top_p": None, "eos_ids": [], "max_length": None}
+    applied = -1  # the sampler's step of the last warper seen
     for processor in logits_processor:
         kind = type(processor)
         if kind is TemperatureLogitsWarper:
-            plan["temperature"] = float(processor.temperature)
+            step, name, value = 0, "temperature", float(processor.temperature)
         elif kind is TopKLogitsWarper and processor.filter_value == -float("inf"):
-            plan["top_k"] = int(processor.top_k)
+            step, name, value = 1, "top_k", int(processor.top_k)
         elif kind is TopPLogitsWarper and processor.filter_value == -float("inf") and processor.min_tokens_to_keep == 1:
-            plan["top_p"] = float(processor.top_p)
+            step, name, value = 2, "top_p", float(processor.top_p)
         else:
             return None
+        if step <= applied:
+            return None
+        applied, plan[name] = step, value
     if plan["mode"] == "greedy" and len(logits_processor):
         return None
     for criteria in stopping_criteria:

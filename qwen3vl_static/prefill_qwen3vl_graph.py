@@ -8,9 +8,14 @@ function of fixed-shape tensors, so it can be captured as a CUDA graph per (batc
   after the first decoder layers, and text tokens get exactly zero;
 - a prompt without padding (every batch row full) needs causality only: bucket padding comes after the real
   tokens, which never look ahead, and grouped-query attention reads each K/V head once (no repeated K/V);
-- a padded batch builds its attention mask in the graph from a per-token "valid" flag (left padding and bucket
-  padding are invalid) and causality; every token also sees itself, so a padding token never has an empty
-  softmax. Graphs are keyed by (rows, tokens, padded);
+- a padded batch builds its attention mask in the graph from a per-slot "attendable" flag (left, right and
+  bucket padding are not attendable) and causality, as stock masks padding: a padding query sees the real tokens
+  before it (a right-padded row's last position gives its first token, as in stock), and one with none before it
+  sees itself, so no softmax is empty;
+- a prompt that extends what the cache already holds (a later turn passing back the returned cache) prefills only
+  its new tokens: they are written from slot `start` on and attend to the cached slots the attention mask allows,
+  through a graph keyed by the KV-length bucket that covers them. Graphs are keyed by (rows, tokens, KV slots,
+  masked); a fresh prompt's KV slots are its own tokens;
 - K/V of all bucket slots are written to the cache: slots past the prompt hold padding values that the decode
   step overwrites before anything reads them (it attends to written slots only).
 A prompt larger than the graph budget runs the same function eagerly at its exact size.
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 
 class PrefillRunner:
     def __init__(
-        self, model, cache, ops, fused_weights, batch_buckets, token_buckets, max_tokens: int, capturer,
+        self, model, cache, ops, fused_weights, batch_buckets, token_buckets, cache_buckets, max_tokens: int, capturer,
         use_graphs: bool, bucketed: bool,
     ):
         self.model = model
@@ -34,6 +39,7 @@ class PrefillRunner:
         self.batch_buckets = batch_buckets
         # A bucket never exceeds the cache (its padding slots are written too) nor `max_tokens` with its rows.
         self.token_buckets = [size for size in token_buckets if size <= min(cache.capacity, max_tokens)]
+        self.cache_buckets = cache_buckets  # KV lengths of a prompt that extends the cache (the decode step's)
         self.capturer = capturer
         device = cache.full_keys[0].device
         # Padded to buckets (the model does this on CUDA, graphs or not, so the eager step computes on exactly the
@@ -54,86 +60,106 @@ class PrefillRunner:
         tokens = self.max_tokens
         self.input_ids = buffer(tokens)
         self.positions = buffer(3, tokens)
-        self.valid = buffer(tokens, dtype=torch.bool)
         self.modality = buffer(tokens)  # 0 text, 1 image, 2 video
         self.visual = buffer(max(tokens, 1), hidden, dtype=dtype)
         self.deepstack = buffer(deepstack, max(tokens, 1), hidden, dtype=dtype)
+        # Per row and cache slot: whether a query may attend to it (the attention mask over cached and new tokens).
+        self.attendable = buffer(cache.rows if self.bucketed else 0, cache.capacity, dtype=torch.bool)
+        self.start = buffer(1)  # the first slot the prompt writes (what the cache already holds)
         self.last = buffer(1)
         self.logits = buffer(cache.rows if self.bucketed else 0, model.lm_head.out_features, dtype=torch.float32)
 
-    def run(self, input_ids, attention_mask, positions, visual=None, deepstack=(), padded=True) -> torch.Tensor:
-        """Prefill `input_ids` `(b, s)` with M-RoPE `positions` `(3, b, s)`. `visual` `(n, hidden)` and each of
-        `deepstack` hold the features of the prompt's image tokens in order, then those of its video tokens
-        (None for a text prompt). `padded`: whether `attention_mask` has any zero (the caller knows it without
-        another host read). Returns float32 logits of the last position `(b, vocab)`."""
-        padded = padded and attention_mask is not None
+    def run(self, input_ids, attention_mask, positions, modality, visual=None, deepstack=(), padded=True, start: int = 0):
+        """Prefill `input_ids` `(b, s)` with M-RoPE `positions` `(3, b, s)` into cache slots [start, start + s),
+        after the `start` slots the cache already holds. `attention_mask` `(b, start + s)` covers both (None: all
+        ones). `modality` `(b, s)`: 0 for a token embedded as text, 1 (2) for one that takes the next image (video)
+        feature; `visual` `(n, hidden)` and each of `deepstack` hold those features, the images' first (None for
+        text). `padded`: whether `attention_mask` has any zero (the caller knows it without another host read).
+        Returns float32 logits of the last position `(b, vocab)`."""
         batch, length = input_ids.shape
-        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        image_token, video_token = self.model.config.image_token_id, self.model.config.video_token_id
-        modality = (input_ids == image_token).long() + 2 * (input_ids == video_token).long()
-        key = self.bucket(batch, length)
+        kv_len = start + length
+        attendable = torch.ones(batch, kv_len, dtype=torch.bool, device=input_ids.device)
+        if attention_mask is not None:
+            attendable = attention_mask.bool()
+        masked = (padded and attention_mask is not None) or start > 0
+        key = self.bucket(batch, length, start)
         if key is None:
             if visual is None:  # zero features: the same ops as a multimodal prompt, adding exact zeros
                 visual = self.visual[:1].new_zeros(1, self.visual.shape[1])
                 deepstack = [visual] * self.deepstack.shape[0]
-            last = torch.full((1,), length - 1, dtype=torch.long, device=input_ids.device)
-            return self.forward(input_ids, positions, valid, modality, visual, deepstack, last, padded)
-        rows, size = key
-        for buffer, value in zip((self.input_ids, self.valid, self.modality), (input_ids, valid, modality)):
+            first, last = (torch.full((1,), value, dtype=torch.long, device=input_ids.device) for value in (start, length - 1))
+            return self.forward(input_ids, positions, attendable, modality, visual, deepstack, first, last, masked)
+        rows, size, kv_slots = key
+        for buffer, value in zip((self.input_ids, self.modality), (input_ids, modality)):
             view = buffer[: rows * size].view(rows, size)
             view.zero_()
             view[:batch, :length] = value
         view = self.positions[:, : rows * size].view(3, rows, size)
         view.zero_()
         view[:, :batch, :length] = positions
+        self.attendable[:rows, :kv_slots] = False  # dummy rows and bucket padding: attendable by none
+        self.attendable[:batch, :kv_len] = attendable
         if visual is not None:
             self.visual[: visual.shape[0]] = visual
             for buffer, features in zip(self.deepstack, deepstack):
                 buffer[: features.shape[0]] = features
+        self.start.fill_(start)
         self.last.fill_(length - 1)
         if self.use_graphs:
-            (self.graphs.get((*key, padded)) or self.capture(*key, padded)).replay()
+            (self.graphs.get((*key, masked)) or self.capture(*key, masked)).replay()
         else:
-            self.step(*key, padded)
+            self.step(*key, masked)
         return self.logits[:batch].clone()
 
     def idle(self) -> None:
-        """Inputs for warm-up steps, in bounds for every bucket: text token 0 at position 0, each token padding (it still
-        sees itself), the output read at token 0 (a previous, longer prompt's last token lies past a smaller bucket)."""
-        for buffer in (self.input_ids, self.positions, self.valid, self.modality, self.last):
+        """Inputs for warm-up steps, in bounds for every bucket: text token 0 at position 0 written to slot 0 on, each
+        slot unattendable (a token still sees itself), the output read at token 0 (a previous, longer prompt's last
+        token lies past a smaller bucket)."""
+        for buffer in (self.input_ids, self.positions, self.modality, self.attendable, self.start, self.last):
             buffer.zero_()
 
-    def bucket(self, batch: int, length: int):
-        """(rows, tokens) bucket of a prompt, or None when it runs at its exact size (CPU, or over the budget)."""
+    def bucket(self, batch: int, length: int, start: int = 0):
+        """(rows, tokens, KV slots) bucket of a prompt written from slot `start` on, or None when it runs at its exact
+        size (CPU, over the budget, or no KV-length bucket holds it)."""
         if not self.bucketed or length > self.token_buckets[-1]:
             return None
         rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, batch)]
         size = self.token_buckets[bisect.bisect_left(self.token_buckets, length)]
-        return (rows, size) if rows * size <= self.max_tokens else None
+        if rows * size > self.max_tokens:
+            return None
+        if not start:
+            return rows, size, size
+        # The bucket's padding tokens are written too: every written slot lies within the KV slots, and those
+        # within the cache.
+        index = bisect.bisect_left(self.cache_buckets, start + size)
+        return (rows, size, self.cache_buckets[index]) if index < len(self.cache_buckets) else None
 
-    def step(self, rows: int, size: int, padded: bool) -> None:
+    def step(self, rows: int, size: int, kv_slots: int, masked: bool) -> None:
         tokens = rows * size
         self.logits[:rows] = self.forward(
             self.input_ids[:tokens].view(rows, size), self.positions[:, :tokens].view(3, rows, size),
-            self.valid[:tokens].view(rows, size), self.modality[:tokens].view(rows, size),
-            self.visual, self.deepstack, self.last, padded,
+            self.attendable[:rows, :kv_slots], self.modality[:tokens].view(rows, size),
+            self.visual, self.deepstack, self.start, self.last, masked,
         )
 
-    def graph_step(self, rows: int, size: int, padded: bool):
+    def graph_step(self, rows: int, size: int, kv_slots: int, masked: bool):
         """The step a graph captures, and the state its runs advance: none (it writes its outputs only)."""
-        return lambda: self.step(rows, size, padded), ()
+        return lambda: self.step(rows, size, kv_slots, masked), ()
 
-    def capture(self, rows: int, size: int, padded: bool) -> torch.cuda.CUDAGraph:
-        name = f"prefill ({rows} rows x {size} tokens{', padded' if padded else ''})"
-        graph = self.capturer.capture(*self.graph_step(rows, size, padded), name=name)
-        self.graphs[(rows, size, padded)] = graph
+    def capture(self, rows: int, size: int, kv_slots: int, masked: bool) -> torch.cuda.CUDAGraph:
+        after = f" after the cache, {kv_slots} slots" if kv_slots != size else ""
+        name = f"prefill ({rows} rows x {size} tokens{after}{', masked' if masked else ''})"
+        graph = self.capturer.capture(*self.graph_step(rows, size, kv_slots, masked), name=name)
+        self.graphs[(rows, size, kv_slots, masked)] = graph
         return graph
 
-    def forward(self, input_ids, positions, valid, modality, visual, deepstack, last, padded) -> torch.Tensor:
-        """The prompt forward on tensors of one fixed shape `(rows, size)`; writes K/V of slots [0, size).
-        `padded`: some row has left padding or padding inside (else causality is the whole mask)."""
+    def forward(self, input_ids, positions, attendable, modality, visual, deepstack, start, last, masked) -> torch.Tensor:
+        """The prompt forward on tensors of one fixed shape `(rows, size)`; writes K/V of slots [start, start + size)
+        and attends to the slots of `attendable` `(rows, KV slots)`. `masked`: some slot is not attendable or the
+        prompt follows cached slots (else causality within the prompt is the whole mask)."""
         ops, text = self.ops, self.model.model.language_model
         rows, size = input_ids.shape
+        kv_slots = attendable.shape[1]
         hidden = text.embed_tokens(input_ids)
         # The k-th image token (row-major) takes feature row k, the k-th video token row (image tokens + k); the
         # index of a text token is unused.
@@ -145,12 +171,14 @@ class PrefillRunner:
         cos, sin = text.rotary_emb(hidden, positions)
         tokens = rows * size
         rotary = ops.rotary(cos.view(tokens, 1, -1), sin.view(tokens, 1, -1))  # shared by all layers
-        slots = torch.arange(size, device=input_ids.device)
+        slots = start + torch.arange(size, device=input_ids.device)
         cache_rows, cache_slots = torch.arange(rows, device=slots.device).repeat_interleave(size), slots.repeat(rows)
-        if padded:
-            causal = slots[:, None] >= slots[None, :]
-            mask = (causal & valid[:, None, :]) | (slots[:, None] == slots[None, :])
-            mask = mask[:, None]  # (rows, 1, size, size)
+        if masked:
+            # Stock's padding mask: causal over attendable slots; a query with no such slot sees itself instead.
+            key_slots = torch.arange(kv_slots, device=slots.device)
+            mask = (slots[:, None] >= key_slots[None, :]) & attendable[:, None, :]
+            mask = mask | ((slots[:, None] == key_slots[None, :]) & ~mask.any(-1, keepdim=True))
+            mask = mask[:, None]  # (rows, 1, size, KV slots)
         hidden = hidden.view(tokens, -1)
         norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]
         first = text.layers[0].input_layernorm
@@ -165,8 +193,8 @@ class PrefillRunner:
                 rotary, keys, values, cache_rows, cache_slots,
             )
             q = q.view(rows, size, heads, -1).transpose(1, 2)
-            k, v = keys[:rows, :, :size], values[:rows, :, :size]
-            if padded:  # K/V heads repeated for the query heads, as stock `repeat_kv` does (masked kernels lack GQA)
+            k, v = keys[:rows, :, :kv_slots], values[:rows, :, :kv_slots]
+            if masked:  # K/V heads repeated for the query heads, as stock `repeat_kv` does (masked kernels lack GQA)
                 group = heads // kv_heads
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
@@ -186,8 +214,9 @@ class PrefillRunner:
         return self.model.lm_head(x).float()
 
     def warmup_keys(self, batch_sizes, prompt_lengths) -> list:
-        """The graphs these sizes use, largest first (for `model.warmup` to capture): (rows, tokens, padded), a batch
-        of several rows both without and with padding."""
+        """The graphs these sizes use, largest first (for `model.warmup` to capture): (rows, tokens, KV slots, masked),
+        a batch of several rows both without and with padding. (A prompt that extends the cache gets its graph on
+        first use.)"""
         buckets = {self.bucket(batch, length) for batch in batch_sizes for length in prompt_lengths} - {None}
-        keys = {(rows, size, padded) for rows, size in buckets for padded in ((False, True) if rows > 1 else (False,))}
+        keys = {(*bucket, masked) for bucket in buckets for masked in ((False, True) if bucket[0] > 1 else (False,))}
         return sorted(keys, reverse=True)

@@ -13,8 +13,9 @@
   block-diagonal mask, so real patches never see them. (On an H200, a 448x448 image took 1.99 ms at its exact
   size against 2.32 ms padded to the 896 bucket with the mask: bench/results/*vision-bucket-probe.json.)
   Every caller of the tower (generate's pre-encoding on 5.2x, the stock forward, `get_image_features`) gets
-  the fast path. `generate` also starts a call's images on the side stream as it begins (`encode_ahead`), so the
-  tower runs while transformers prepares the inputs; the call's first encode takes that result.
+  the fast path (with grad disabled; training gets the stock tower). `generate` also starts a call's images on the
+  side stream as it begins (`encode_ahead`, calls without videos), so the tower runs while transformers prepares the
+  inputs; the call's first encode takes that result.
 - The runner's blocks fuse each residual add with the LayerNorm after it, and (CUDA) the MLP's GELU with its
   first projection, on the stock parameters.
 """
@@ -96,8 +97,13 @@ class Qwen3VLGraphVisionAttention(Qwen3VLVisionAttention):
 
     def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
         length = hidden_states.shape[0]
-        # Flash attention is already variable-length; very long multi-segment inputs keep the stock split.
-        stock = self.config._attn_implementation != "sdpa" or (cu_seqlens.shape[0] > 2 and length > MAX_MASKED_LENGTH)
+        # Flash attention is already variable-length; very long multi-segment inputs keep the stock split. With grad
+        # enabled, the stock attention too: the fused Triton kernel has no backward.
+        stock = (
+            self.config._attn_implementation != "sdpa"
+            or (cu_seqlens.shape[0] > 2 and length > MAX_MASKED_LENGTH)
+            or torch.is_grad_enabled()
+        )
         if stock and not self.block_mask.pinned:
             return super().forward(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
         # One fused kernel on CUDA: the stock rotary is a dozen elementwise passes in float32 per block.
@@ -108,7 +114,9 @@ class Qwen3VLGraphVisionAttention(Qwen3VLVisionAttention):
 
 
 class Qwen3VLGraphVisionModel(Qwen3VLVisionModel):
-    """The stock vision tower; with a `runner` attached, its forward runs on the runner (same outputs)."""
+    """The stock vision tower; with a `runner` attached and grad disabled, its forward runs on the runner (same
+    outputs). With grad enabled (training) it is the stock forward: the runner's tables and buffers carry no autograd
+    state, and its fused kernels have no backward."""
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -117,7 +125,7 @@ class Qwen3VLGraphVisionModel(Qwen3VLVisionModel):
     def forward(self, hidden_states, grid_thw, **kwargs):
         runner = self.runner
         recording = kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
-        if runner is None or recording or not runner.current():
+        if runner is None or recording or torch.is_grad_enabled() or not runner.current():
             return super().forward(hidden_states, grid_thw, **kwargs)
         output = vision_output(*runner.encode(hidden_states, grid_thw))
         return output.to_tuple() if kwargs.get("return_dict") is False and hasattr(output, "to_tuple") else output
@@ -148,6 +156,7 @@ class VisionRunner:
         self.use_graphs = use_graphs and self.can_use_graphs
         self.graphs = OrderedDict()  # (patches, masked) -> graph; single-image ones least recently used first
         self.tables = OrderedDict()  # (t, h, w) -> tables, least recently used first
+        self.tables_weight = None  # (address, version) of the position embedding the tables were computed from
         self.table_cache_size = table_cache_size
         patches = patch_buckets[-1] if self.bucketed else 0
         head_dim = config.hidden_size // config.num_heads
@@ -172,12 +181,21 @@ class VisionRunner:
         return self.visual.patch_embed.proj.weight.data_ptr() == self.weight_address
 
     def table(self, grid: tuple):
-        """Position embeddings, rotary cos/sin and frame index `(t*h*w,)` of one image size, computed once."""
+        """Position embeddings, rotary cos/sin and frame index `(t*h*w,)` of one image size, computed once per
+        value of the position embedding, without autograd state (a cached table outlives the call that made it)."""
+        weight = self.visual.pos_embed.weight
+        # The version counter moves with every in-place update (an optimizer step, `load_state_dict`); inference
+        # tensors have none, and cannot be updated outside inference mode.
+        current = (weight.data_ptr(), None if weight.is_inference() else weight._version)
+        if current != self.tables_weight:
+            self.tables.clear()
+            self.tables_weight = current
         if grid in self.tables:
             self.tables.move_to_end(grid)
             return self.tables[grid]
         device = self.positions.device
-        positions, cos, sin = vision_tables(self.visual, torch.tensor([grid], device=device))
+        with torch.no_grad():
+            positions, cos, sin = vision_tables(self.visual, torch.tensor([grid], device=device))
         t, h, w = grid
         frames = torch.arange(t, device=device).repeat_interleave(h * w)
         self.tables[grid] = entry = (positions, cos, sin, frames)
@@ -198,6 +216,7 @@ class VisionRunner:
             return None
         return (patches, False) if segments == 1 else (bucket, True)
 
+    @torch.no_grad()  # the buffers and graphs outlive the call: no autograd state in them
     def encode(self, pixel_values, grid_thw):
         """`(last hidden states (patches, hidden), merged tokens (n, out_hidden), DeepStack features
         [(n, out_hidden)])` for all images of the call, in order; new tensors (the next call reuses the buffers)."""
@@ -225,14 +244,19 @@ class VisionRunner:
             self.step(*shape)
         return self.outputs(patches)
 
-    def encode_ahead(self, pixel_values, grid_thw) -> None:
+    @torch.no_grad()
+    def encode_ahead(self, pixel_values, grid_thw, videos: bool = False) -> None:
         """Start encoding a `generate` call's images on the side stream as the call begins, so that the tower runs
         while `generate` prepares its inputs: that is host work, with host reads that would wait for a tower queued
         on the default stream. The next `encode` takes the result when it gets the same grids and pixel shape (the
         call's images are encoded first, in every supported release), else it waits for it and encodes anew.
-        Only the replay of an already captured graph runs ahead; anything else is left to `encode`."""
+        Only the replay of an already captured graph runs ahead; anything else is left to `encode`.
+        A call that also has `videos` does not run ahead: the tower cannot tell an image from a video, so a video of
+        the same grid and pixel shape encoded first would take the images' features."""
         tensors = isinstance(pixel_values, torch.Tensor) and isinstance(grid_thw, torch.Tensor)
-        if not (self.use_graphs and tensors and pixel_values.device == self.pixels.device and grid_thw.shape[1:] == (3,)):
+        if videos or not (
+            self.use_graphs and tensors and pixel_values.device == self.pixels.device and grid_thw.shape[1:] == (3,)
+        ):
             return
         grids = [tuple(grid) for grid in grid_thw.tolist()]  # the default stream is idle: no wait
         shape = self.shape(pixel_values.shape[0], sum(t for t, _, _ in grids))
@@ -246,6 +270,11 @@ class VisionRunner:
             self.replay(shape)
             done = torch.cuda.Event()
             done.record()
+        # The side stream reads tensors allocated on the default stream, which may be freed before it is done (a
+        # table evicted by the lookups above, the caller's pixels): without this, the allocator could hand their
+        # memory to the default stream's next kernels while `load` still copies from it.
+        for tensor in (pixel_values, *(part for entry in tables for part in entry)):
+            tensor.record_stream(stream)
         self.ahead = (grids, tuple(pixel_values.shape), done)  # one left untaken ran before it on the same stream
 
     def join_ahead(self):
@@ -275,6 +304,9 @@ class VisionRunner:
     def replay(self, shape) -> None:
         """Replay the graph of `shape`, captured first if it is new."""
         graph = self.graphs.get(shape) or self.capture(*shape)
+        # A graph dropped here may still be running, on either stream (a run ahead is joined on the GPU, not the host):
+        # CUDA frees an in-flight executable graph once it completes, and its memory stays in the graphs' pool, which
+        # ordinary allocations never get.
         if not shape[1]:  # one graph per image size: keep the most recently used sizes
             self.graphs.move_to_end(shape)
             singles = [key for key in self.graphs if not key[1]]

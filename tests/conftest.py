@@ -42,6 +42,16 @@ def tiny_pair():
     return ours, stock
 
 
+def right_padded(model_inputs):
+    """The same rows with their padding moved to the right."""
+    inputs = dict(model_inputs)
+    order = torch.sort(1 - model_inputs["attention_mask"], dim=1, stable=True).indices  # real tokens first, in order
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in inputs:
+            inputs[key] = model_inputs[key].gather(1, order)
+    return inputs
+
+
 def build(case):
     """Model inputs for a `(conversations, media)` case."""
     conversations, media = case

@@ -64,3 +64,49 @@ def test_placeholder_tokens_not_matching_the_images_raise_before_prefill(tiny_pa
         ours.generate(**model_inputs, max_new_tokens=4, do_sample=False)
     assert cache.full_keys[0].equal(keys_before)
     generate_matches_stock(ours, stock)
+
+
+def assert_rejected_before_writing(ours, stock, model_inputs, match):
+    cache = ours.static_cache()
+    keys_before = cache.full_keys[0].clone()
+    with pytest.raises(ValueError, match=match):
+        ours.generate(**model_inputs, max_new_tokens=4, do_sample=False)
+    assert cache.full_keys[0].equal(keys_before)
+    generate_matches_stock(ours, stock)
+
+
+def test_pixels_without_their_grid_raise(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build(PROMPT)
+    del model_inputs["image_grid_thw"]
+    assert_rejected_before_writing(ours, stock, model_inputs, r"image pixels were passed without `image_grid_thw`")
+
+
+def test_image_tokens_not_matching_the_grid_name_both_counts(tiny_pair):
+    """As a processor would produce them: `mm_token_type_ids` agrees with the edited `input_ids`."""
+    ours, stock = tiny_pair
+    model_inputs = build(PROMPT)
+    ids = model_inputs["input_ids"]
+    image_token = ours.config.image_token_id
+    expected = int((ids == image_token).sum())
+    ids[0, (ids[0] == image_token).nonzero()[0, 0]] = 40
+    if TAKES_MM_TOKEN_TYPE_IDS:
+        model_inputs["mm_token_type_ids"] = (ids == image_token).int()
+    match = rf"the prompt has {expected - 1} image tokens to fill, image_grid_thw gives {expected} features"
+    assert_rejected_before_writing(ours, stock, model_inputs, match)
+
+
+def test_attention_mask_of_another_shape_raises(tiny_pair):
+    ours, stock = tiny_pair
+    model_inputs = build(PROMPT)
+    model_inputs["attention_mask"] = model_inputs["attention_mask"][:, 1:]
+    assert_rejected_before_writing(ours, stock, model_inputs, r"attention_mask has shape \(2, \d+\) but input_ids has")
+
+
+@pytest.mark.parametrize("token", [-1, "vocab"])
+def test_token_ids_outside_the_vocabulary_raise(tiny_pair, token):
+    ours, stock = tiny_pair
+    model_inputs = build(PROMPT)
+    vocab = ours.config.text_config.vocab_size
+    model_inputs["input_ids"][1, -2] = vocab if token == "vocab" else token
+    assert_rejected_before_writing(ours, stock, model_inputs, rf"outside the vocabulary \[0, {vocab}\)")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from conftest import build, chat, image
+from conftest import build, chat, image, right_padded
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.compat_qwen3vl_graph import vision_features
 from qwen3vl_static.prefill_qwen3vl_graph import PrefillRunner
@@ -36,7 +36,8 @@ def padded_pair():
     runner = ours._runner
     ours._prefill_runner = PrefillRunner(
         ours, cache, runner.ops, (runner.qkv_weights, runner.gate_up_weights), runner.batch_buckets,
-        config.prompt_buckets(), config.prefill_graph_tokens, runner.capturer, use_graphs=False, bucketed=True,
+        config.prompt_buckets(), config.cache_buckets(), config.prefill_graph_tokens, runner.capturer, use_graphs=False,
+        bucketed=True,
     )
     visual = ours.model.visual
     visual.runner = VisionRunner(
@@ -50,7 +51,9 @@ def test_buckets_never_exceed_the_cache(padded_pair):
     ours, _ = padded_pair
     prefill = ours._prefill_runner
     assert prefill.token_buckets == [16, 32, 64, 128]  # 256 and 512 would write past the 160 slots
-    assert prefill.bucket(1, 50) == (1, 64) and prefill.bucket(3, 50) == (4, 64)
+    assert prefill.bucket(1, 50) == (1, 64, 64) and prefill.bucket(3, 50) == (4, 64, 64)
+    # After cached slots, the new tokens' bucket must end within a KV-length bucket (here the cache's 160 slots).
+    assert prefill.bucket(1, 50, start=90) == (1, 64, 160) and prefill.bucket(1, 50, start=100) is None
     assert prefill.bucket(1, 129) is None  # longer prompts run at their exact size
     assert ours.model.visual.runner.bucket(24) == 128 and ours.model.visual.runner.bucket(129) is None
 
@@ -59,7 +62,7 @@ def test_warmup_keys_cover_padding_and_masks(padded_pair):
     """Prefill: several rows get the unpadded and the padded graph. Vision: every count its exact-size graph (one
     image) and its bucket's masked graph (several); counts over the limit none; by default the buckets."""
     ours, _ = padded_pair
-    assert ours._prefill_runner.warmup_keys([1, 3], [50]) == [(4, 64, True), (4, 64, False), (1, 64, False)]
+    assert ours._prefill_runner.warmup_keys([1, 3], [50]) == [(4, 64, 64, True), (4, 64, 64, False), (1, 64, 64, False)]
     runner = ours.model.visual.runner
     assert runner.warmup_keys() == [(128, True)]
     assert runner.warmup_keys([24]) == [(128, True), (24, False)]
@@ -156,8 +159,18 @@ def test_pixels_not_matching_the_grid_raise_a_clear_error(padded_pair):
     ours, stock = padded_pair
     model_inputs = build(ONE_IMAGE)
     model_inputs["pixel_values"] = model_inputs["pixel_values"][:-4]
-    with pytest.raises(ValueError, match="pixel values hold 20 patches but grid_thw"):
+    with pytest.raises(ValueError, match="pixel values hold 20 patches but image_grid_thw describes 24"):
         ours.generate(**model_inputs, max_new_tokens=4, do_sample=False)
     model_inputs = build(ONE_IMAGE)  # and the model still generates like stock
     expected = stock.generate(**model_inputs, max_new_tokens=6, do_sample=False)
     assert ours.generate(**model_inputs, max_new_tokens=6, do_sample=False).tolist() == expected.tolist()
+
+
+def test_padded_prefill_of_a_right_padded_batch_matches_stock(padded_pair):
+    """The bucketed prefill's in-graph mask: right padding's queries see the real tokens before them, as in stock."""
+    ours, stock = padded_pair
+    model_inputs = right_padded(build(MIXED_BATCH))
+    kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    got, expected = ours.generate(**model_inputs, **kwargs), stock.generate(**model_inputs, **kwargs)
+    assert got.sequences.tolist() == expected.sequences.tolist()
+    torch.testing.assert_close(got.logits[0], expected.logits[0], rtol=1e-4, atol=1e-4)
