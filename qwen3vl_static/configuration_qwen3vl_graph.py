@@ -57,9 +57,11 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             How the vision patch embedding runs: `"gemm"` (the stride-equals-kernel Conv3d as one matrix product on
             the same weights), `"conv3d"` (stock) or `"channels_last_3d"` (Conv3d in channels-last-3d layout).
         allow_tf32 (`bool`, defaults to `False`):
-            Opt-in: allow TF32 for float32 matmuls and cuDNN convolutions (changes float32 numerics).
+            Opt-in: allow TF32 for float32 matmuls and cuDNN convolutions (changes float32 numerics) while the model
+            runs `generate` or `warmup`; torch's global flags are restored afterwards.
         cudnn_benchmark (`bool`, defaults to `False`):
-            Opt-in: set `torch.backends.cudnn.benchmark = True`.
+            Opt-in: `torch.backends.cudnn.benchmark = True` while the model runs `generate` or `warmup`, restored
+            afterwards.
     """
 
     model_type = "qwen3_vl_graph"
@@ -77,6 +79,15 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     patch_embed_mode: str = "gemm"
     allow_tf32: bool = False
     cudnn_benchmark: bool = False
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
+        """A stock Qwen3-VL config reads as this class's own: loading a stock checkpoint into this class is supported,
+        so `from_pretrained` must not warn about a foreign model type (it still does for any other type)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        if config_dict.get("model_type") == Qwen3VLConfig.model_type:
+            config_dict = {**config_dict, "model_type": cls.model_type}
+        return config_dict, kwargs
 
     def __post_init__(self, **kwargs):  # transformers 5.x; on 4.57 the model calls `validate_graph_settings`
         super().__post_init__(**kwargs)

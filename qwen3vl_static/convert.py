@@ -1,8 +1,9 @@
 """Turn a stock Qwen3-VL checkpoint into a ready custom-code repo for this package.
 
 The weights, generation config and tokenizer/processor files are copied unchanged (the module tree is the
-stock one); what is new is `config.json` (model type `qwen3_vl_graph` plus an `auto_map`), the module files
-that `trust_remote_code=True` runs, and a model card. Not uploaded to the Hub.
+stock one), except that the image processor's config gets the processor class where it lacks it; what is new is
+`config.json` (model type `qwen3_vl_graph` plus an `auto_map`), the module files that `trust_remote_code=True`
+runs, and a model card. Not uploaded to the Hub.
 """
 
 import inspect
@@ -24,6 +25,9 @@ from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration, auto_m
 SOURCE_MODEL_TYPES = ("qwen3_vl", Qwen3VLGraphConfig.model_type)
 # Files of SRC that the conversion writes anew.
 REPLACED = ("config.json", "README.md")
+# What AutoProcessor reads from `preprocessor_config.json` to build the processor, as the Hub's Qwen3-VL repos name it.
+# An image processor saved on its own names no processor class: AutoProcessor would then load the tokenizer alone.
+PROCESSOR_NAMES = {"processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessor"}
 
 
 def hub_module_files() -> list[Path]:
@@ -62,6 +66,7 @@ def convert(src: str, dst: str, push_to_hub: str | None = None, private: bool = 
     build.mkdir(parents=True)
     try:
         _copy(files, src_dir, build)
+        _name_processor(build / "preprocessor_config.json")
         config.save_pretrained(build)
         for module in hub_module_files():
             shutil.copyfile(module, build / module.name)
@@ -156,6 +161,17 @@ def _copy(files: list[Path], src_dir: Path, build: Path) -> None:
                     bar.update(len(chunk))
 
 
+def _name_processor(preprocessor_config: Path) -> None:
+    """Add the `PROCESSOR_NAMES` that the image processor's config lacks (a config that has them stays unchanged)."""
+    if not preprocessor_config.is_file():
+        return
+    values = json.loads(preprocessor_config.read_text(encoding="utf-8"))
+    if PROCESSOR_NAMES.keys() <= values.keys():
+        return
+    values = {**PROCESSOR_NAMES, **values}
+    preprocessor_config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def _field_docs() -> dict[str, str]:
     """Each setting's description from `Qwen3VLGraphConfig`'s docstring, the one place they are documented."""
     docs, name = {}, None
@@ -201,11 +217,15 @@ CARD = """---
 # Qwen3-VL with a static-cache, CUDA-graph decode loop
 
 This is {source} converted with qwen3vl-static {version} (transformers {transformers}): the same weights, tokenizer,
-processor and generation config, unchanged, with custom code whose `generate()` decodes on one persistent static KV
-cache and replays each decode step as a captured CUDA graph. Only `config.json` (model type `qwen3_vl_graph`) and
-the `*.py` files are new.
+processor and generation config, with custom code whose `generate()` decodes on one persistent static KV cache and
+replays each decode step as a captured CUDA graph. Only `config.json` (model type `qwen3_vl_graph`) and the `*.py`
+files are new (and `preprocessor_config.json` names its processor class where the source's did not).
 
 ## Usage
+
+Besides transformers, this needs accelerate (for `device_map`) and torchvision built for your torch (Qwen3-VL's
+processor always builds its video processor, which needs it): `pip install accelerate torch torchvision` installs a
+matching pair.
 
 ```python
 import torch
@@ -213,19 +233,14 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 repo = "{repo}"
 model = AutoModelForImageTextToText.from_pretrained(
-    repo, trust_remote_code=True, dtype=torch.bfloat16, device_map="cuda"
+    repo, trust_remote_code=True, dtype=torch.bfloat16, device_map="auto"
 )
-processor = AutoProcessor.from_pretrained(repo)
+processor = AutoProcessor.from_pretrained(repo, trust_remote_code=True)
 
-messages = [
-    {{
-        "role": "user",
-        "content": [
-            {{"type": "image", "url": "https://qianwen-res.oss-cn-beijing.aliyuncs.com/Qwen-VL/assets/demo.jpeg"}},
-            {{"type": "text", "text": "Describe this image."}},
-        ],
-    }}
-]
+messages = [{{"role": "user", "content": [
+    {{"type": "image", "url": "https://qianwen-res.oss-cn-beijing.aliyuncs.com/Qwen-VL/assets/demo.jpeg"}},
+    {{"type": "text", "text": "Describe this image."}},
+]}}]
 inputs = processor.apply_chat_template(
     messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
 ).to(model.device)
@@ -234,7 +249,9 @@ print(processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_spec
 ```
 
 `trust_remote_code=True` is required: the model type `qwen3_vl_graph` is unknown to transformers itself, so
-loading without it fails instead of silently falling back to the stock model.
+loading without it fails instead of silently falling back to the stock model. The processor is transformers' own
+`Qwen3VLProcessor`; `AutoProcessor` takes the flag too because on transformers 5.x its tokenizer step reads
+`config.json`, whose model type only this repo's configuration code knows.
 
 Capture the CUDA graphs ahead of time, e.g. before a server takes requests, so that no request pays for a
 capture:
@@ -278,12 +295,15 @@ Measured speed-ups depend on the GPU, batch size and lengths; the numbers live i
 ## Limitations
 
 - The fast loop covers greedy decoding and sampling. Beam search, assisted decoding, `output_attentions` /
-  `output_hidden_states`, `prefill_chunk_size`, a cache passed by the caller and attention implementations other
-  than `sdpa` / `eager` run transformers' stock loop (with a warning): correct, without the speed-up.
+  `output_hidden_states`, `prefill_chunk_size`, a cache of another kind passed by the caller and attention
+  implementations other than `sdpa` / `eager` run transformers' stock loop (with a warning): correct, without the
+  speed-up.
 - One `generate()` call takes at most `max_batch_size` sequences, and prompt + `max_new_tokens` - 1 must fit in
   `static_cache_len`; otherwise it raises a `ValueError` that names the setting to raise.
 - The KV cache is allocated at full size (`max_batch_size` x `static_cache_len`) on first use and kept; a cache
-  returned by `generate()` is that persistent cache and is overwritten by the next call.
+  returned by `generate()` is that persistent cache. Passed back with a chat's next turn (the first turn's sequences
+  plus new text), it is continued and only the new tokens are prefilled; a call that does not pass it back starts
+  it afresh.
 - Calls to `generate()` on one model run one at a time.
 - CUDA graphs need a CUDA device; on the CPU, or with `use_cuda_graphs` off, the same loop runs eagerly.
 """

@@ -210,6 +210,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 return super()._prepare_cache_for_generation(
                     generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
                 )
+            cache.tokens = None  # the stock loop writes to it: what it then holds is not recorded
         rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences)
         cache.check_capacity(rows, max_cache_length)
         if resumed:  # a later turn: the cache keeps what it holds, whichever loop runs

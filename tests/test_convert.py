@@ -20,7 +20,7 @@ from conftest import AUTO_MAP, assert_clean, chat, image, save_stock_checkpoint
 from qwen3vl_static import Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.cli import main
 from qwen3vl_static.compat_qwen3vl_graph import portable_config_dict
-from qwen3vl_static.convert import convert, hub_module_files
+from qwen3vl_static.convert import PROCESSOR_NAMES, convert, hub_module_files
 from qwen3vl_static.presets import tiny_inputs
 
 # Package files that stay home; every other module is needed by the custom code on the Hub.
@@ -146,7 +146,12 @@ def assert_loads_and_generates_like_stock(where, prompt, expected_tokens, tmp_pa
 def test_convert_writes_a_custom_code_repo(src, dst):
     copied = {path.name for path in src.iterdir()} - {"config.json", "README.md"}
     assert {path.name for path in dst.iterdir()} == copied | HUB_MODULES | {"config.json", "README.md"}
-    assert all((dst / name).read_bytes() == (src / name).read_bytes() for name in copied)  # weights included
+    unchanged = copied - {"preprocessor_config.json"}
+    assert all((dst / name).read_bytes() == (src / name).read_bytes() for name in unchanged)  # weights included
+    # The image processor's config gains what AutoProcessor needs to build the processor, as the Hub's repos have it.
+    processor = json.loads((src / "preprocessor_config.json").read_text())
+    assert "processor_class" not in processor
+    assert json.loads((dst / "preprocessor_config.json").read_text()) == {**PROCESSOR_NAMES, **processor}
     assert {path.name for path in hub_module_files()} == HUB_MODULES
     assert all((dst / name).read_bytes() == (PACKAGE / name).read_bytes() for name in HUB_MODULES)
     assert not list(dst.parent.glob(".*partial"))

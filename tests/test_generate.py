@@ -2,12 +2,14 @@
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, TextIteratorStreamer
+from transformers import (
+    CompileConfig, LogitsProcessor, LogitsProcessorList, Qwen3VLConfig, Qwen3VLForConditionalGeneration, TextIteratorStreamer,
+)
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import build, chat, image
 from qwen3vl_static.graphs_qwen3vl_graph import sample_tokens
-from qwen3vl_static.presets import TINY_IDS, tiny_inputs, tiny_tokenizer
+from qwen3vl_static.presets import TINY_IDS, tiny_config_dict, tiny_inputs, tiny_tokenizer
 
 TEXT = [[chat("Describe a cat in one line.")]]
 ONE_IMAGE = ([[chat("image", "What is in the picture?")]], {"images": [image(64, 96)]})
@@ -187,9 +189,27 @@ def test_beam_search_falls_back_with_one_warning(tiny_pair, caplog):
     assert len(messages) == 1 and "beam_search" in messages[0]
 
 
-def test_no_automatic_compile(tiny_pair):
+def test_no_automatic_compile(tiny_pair, monkeypatch):
+    """transformers wraps the forward in torch.compile when its loop decodes on a static cache (on CUDA, or on any device
+    with `compile_config._compile_all_devices`): the stock model does here; neither our loop nor our fallback to the
+    stock loop may."""
     ours, _ = tiny_pair
-    assert ours._valid_auto_compile_criteria({"past_key_values": ours.static_cache()}, ours.generation_config) is False
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda function, **options: compiled.append(function) or function)
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True
+    model_inputs = build((TEXT, {}))
+    kwargs = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", compile_config=compile_config)
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval().generate(**model_inputs, **kwargs)
+    assert compiled
+    compiled.clear()
+    ours.static_cache()
+    ours._runner.length = -1  # `used_static_loop` sees whether a request started since
+    ours.generate(**model_inputs, **kwargs)
+    assert used_static_loop(ours)
+    ours.generate(**model_inputs, output_hidden_states=True, return_dict_in_generate=True, **kwargs)  # the stock loop
+    assert not compiled
 
 
 def test_inputs_embeds_run_the_stock_loop(tiny_pair):

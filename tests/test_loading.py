@@ -1,17 +1,36 @@
 """Checkpoints move between the stock class and ours unchanged, and `import qwen3vl_static` registers the Auto
 classes (CPU, tiny model)."""
 
+import contextlib
 import json
+import logging
 
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from transformers import AutoConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
+from transformers import AutoConfig, LlamaConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
 
 from qwen3vl_static import Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, Qwen3VLGraphModel
 from qwen3vl_static.convert import hub_module_files
 from conftest import AUTO_MAP, assert_clean, save_stock_checkpoint
+
+MODEL_TYPE_WARNING = "You are using a model of type"
+
+
+@contextlib.contextmanager
+def transformers_messages():
+    """What transformers logs meanwhile. Its library logger does not propagate to the root logger (nor to caplog)."""
+    messages = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        library.removeHandler(handler)
+
 
 def tensor_names(folder):
     with safe_open(str(folder / "model.safetensors"), "pt") as weights:
@@ -43,6 +62,17 @@ def test_stock_checkpoint_loads_into_our_class(ours, stock_folder):
     stock = Qwen3VLForConditionalGeneration.from_pretrained(stock_folder).state_dict()
     assert ours.state_dict().keys() == stock.keys()
     assert all(torch.equal(tensor, stock[name]) for name, tensor in ours.state_dict().items())
+
+
+def test_stock_checkpoint_loads_without_a_model_type_warning(stock_folder, tmp_path):
+    # A stock Qwen3-VL checkpoint is what this class loads; a genuinely different model type still gets the warning.
+    with transformers_messages() as messages:
+        Qwen3VLGraphForConditionalGeneration.from_pretrained(stock_folder)
+    assert not [message for message in messages if MODEL_TYPE_WARNING in message], messages
+    LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
+    with transformers_messages() as messages:
+        Qwen3VLGraphConfig.from_pretrained(tmp_path)
+    assert [message for message in messages if MODEL_TYPE_WARNING in message and "llama" in message], messages
 
 
 def test_our_checkpoint_loads_into_stock_class(ours, ours_folder, stock_folder):
