@@ -98,12 +98,13 @@ def test_a_batch_resumes_prefilling_only_its_new_tokens(request, pair, monkeypat
     starts = []
     run = prefill.run
     monkeypatch.setattr(prefill, "run", lambda *args, **kwargs: starts.append((args[0].shape[1], args[-1])) or run(*args, **kwargs))
-    inputs = tiny_inputs([[chat("image", "What is it?")], [chat("Hi")]], images=[image(64, 64)])
+    # The first row left-padded: on 4.57 its zero pad embeddings leave zero keys, which the layers' own count skips.
+    inputs = tiny_inputs([[chat("Hi")], [chat("image", "What is it?")]], images=[image(64, 64)])
     got = ours.generate(**inputs, **GREEDY, return_dict_in_generate=True)
     expected = stock.generate(**inputs, **GREEDY, return_dict_in_generate=True)
     assert got.sequences.tolist() == expected.sequences.tolist()
     for turn in range(2):
-        turn_ids = tiny_inputs([[chat("And then?")], [chat("Why" + "?" * turn)]])
+        turn_ids = tiny_inputs([[chat("Why" + "?" * turn)], [chat("And then?")]])
         resumed = {
             "input_ids": torch.cat([got.sequences, turn_ids["input_ids"]], dim=1),
             "attention_mask": torch.cat([inputs["attention_mask"], torch.ones_like(got.sequences[:, inputs["input_ids"].shape[1]:]),
