@@ -4,13 +4,10 @@ cache and as stock starting fresh; when the prompt extends what our cache holds,
 
 import pytest
 import torch
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from conftest import chat, image
-from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
+from conftest import bucketed_pair, chat, image
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG, TAKES_MM_TOKEN_TYPE_IDS, returned_cache
-from qwen3vl_static.prefill_qwen3vl_graph import PrefillRunner
-from qwen3vl_static.presets import TINY_IDS, tiny_config, tiny_config_dict, tiny_inputs
+from qwen3vl_static.presets import TINY_IDS, tiny_inputs
 
 FIRST_TURNS = {
     "text": ([chat("Describe a cat in one line.")], []),
@@ -72,24 +69,11 @@ def test_new_image_in_the_second_turn_behaves_as_stock_reusing_its_cache(tiny_pa
 
 
 @pytest.fixture(scope="module")
-def bucketed_pair():
-    """(ours with the prefill padded to buckets, as on CUDA but without graphs; stock), same weights, fp32."""
-    torch.manual_seed(0)
-    config = tiny_config(static_cache_len=160, max_batch_size=4, prefill_graph_tokens=512, graph_cache_lengths=[96])
-    ours = Qwen3VLGraphForConditionalGeneration(config).eval()
-    stock = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval()
-    stock.load_state_dict(ours.state_dict())
-    cache = ours.static_cache()
-    runner = ours._runner
-    ours._prefill_runner = PrefillRunner(
-        ours, cache, runner.ops, (runner.qkv_weights, runner.gate_up_weights), runner.batch_buckets,
-        config.prompt_buckets(), config.cache_buckets(), config.prefill_graph_tokens, runner.capturer,
-        use_graphs=False, bucketed=True,
-    )
-    return ours, stock
+def bucketed():
+    return bucketed_pair(graph_cache_lengths=[96])
 
 
-@pytest.mark.parametrize("pair", ["tiny_pair", "bucketed_pair"], ids=["exact", "bucketed"])
+@pytest.mark.parametrize("pair", ["tiny_pair", "bucketed"], ids=["exact", "bucketed"])
 def test_a_batch_resumes_prefilling_only_its_new_tokens(request, pair, monkeypatch):
     """Two left-padded rows, three turns: each later turn prefills only its new tokens (into the slots after the
     cached ones, bucketed to a KV-length bucket or at their exact size) and equals stock reusing its cache."""

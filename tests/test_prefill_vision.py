@@ -5,13 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from conftest import build, chat, image, right_padded
-from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
+from conftest import bucketed_pair, build, chat, image, right_padded
 from qwen3vl_static.compat_qwen3vl_graph import vision_features
-from qwen3vl_static.prefill_qwen3vl_graph import PrefillRunner
-from qwen3vl_static.presets import tiny_config, tiny_config_dict
+from qwen3vl_static.presets import tiny_config
 from qwen3vl_static.vision_qwen3vl_graph import VisionRunner
 
 ONE_IMAGE = ([[chat("image", "What is in the picture?")]], {"images": [image(64, 96)]})
@@ -27,18 +24,8 @@ UNPADDED_BATCH = ([[chat("Describe a cat.")], [chat("Describe a dog.")]], {})  #
 @pytest.fixture(scope="module")
 def padded_pair():
     """(ours with runners that pad to buckets, as on CUDA but without graphs; stock), same weights, fp32."""
-    torch.manual_seed(0)
-    config = tiny_config(static_cache_len=160, max_batch_size=4, prefill_graph_tokens=512, vision_graph_patches=128)
-    ours = Qwen3VLGraphForConditionalGeneration(config).eval()
-    stock = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval()
-    stock.load_state_dict(ours.state_dict())
-    cache = ours.static_cache()
-    runner = ours._runner
-    ours._prefill_runner = PrefillRunner(
-        ours, cache, runner.ops, (runner.qkv_weights, runner.gate_up_weights), runner.batch_buckets,
-        config.prompt_buckets(), config.cache_buckets(), config.prefill_graph_tokens, runner.capturer, use_graphs=False,
-        bucketed=True,
-    )
+    ours, stock = bucketed_pair(vision_graph_patches=128)
+    config, runner = ours.config, ours._runner
     visual = ours.model.visual
     visual.runner = VisionRunner(
         visual, ours._vision_mask, config.patch_buckets(), 2, runner.capturer, use_graphs=False, bucketed=True,

@@ -1,7 +1,6 @@
 """Common transformers paths beyond the main ones, each equal to stock (CPU, fp32): right padding, inference mode,
 the order of the sampling warpers, the model's effect on torch's global flags."""
 
-import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
