@@ -57,12 +57,15 @@ class ASStaticCache(StaticCache):
     def resume(self, batch_size: int, length: int) -> None:
         """Continue a request from what the cache holds (it was passed back to `generate`): views of `length` slots,
         the filled ones kept, the ones past them empty."""
-        # What the static loop recorded, else the layers' own count (4.57 counts non-zero slots, which left padding
-        # with a zero pad embedding undercounts).
-        held = self.tokens.shape[1] if self.tokens is not None else int(self.get_seq_length())
+        held = self.filled()
         self._view(batch_size, length)
         self.set_length(held)
         self.resumed = True
+
+    def filled(self) -> int:
+        """Slots that a later turn continues from: what the static loop recorded, else the layers' own count (4.57
+        counts non-zero slots, which left padding with a zero pad embedding undercounts)."""
+        return self.tokens.shape[1] if self.tokens is not None else int(self.get_seq_length())
 
     def _view(self, batch_size: int, length: int) -> None:
         for layer, keys, values in zip(self.layers, self.full_keys, self.full_values):

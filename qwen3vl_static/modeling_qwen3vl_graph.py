@@ -422,7 +422,8 @@ def _check_generate_inputs(config, input_ids, kwargs) -> None:
             f"must match (one flag per token)."
         )
     cache = kwargs.get(CACHE_KWARG)
-    uncached = input_ids[:, int(cache.get_seq_length()) if cache is not None else 0 :]
+    held = 0 if cache is None else cache.filled() if isinstance(cache, ASStaticCache) else int(cache.get_seq_length())
+    uncached = input_ids[:, held:]
     media = [(kind, token, kwargs.get(pixels), kwargs.get(f"{kind}_grid_thw"))
              for kind, token, pixels in (("image", config.image_token_id, "pixel_values"),
                                          ("video", config.video_token_id, "pixel_values_videos"))]

@@ -78,8 +78,9 @@ class PrefillRunner:
         Returns float32 logits of the last position `(b, vocab)`."""
         batch, length = input_ids.shape
         kv_len = start + length
-        attendable = torch.ones(batch, kv_len, dtype=torch.bool, device=input_ids.device)
-        if attention_mask is not None:
+        if attention_mask is None:
+            attendable = torch.ones(batch, kv_len, dtype=torch.bool, device=input_ids.device)
+        else:
             attendable = attention_mask.bool()
         masked = (padded and attention_mask is not None) or start > 0
         key = self.bucket(batch, length, start)
