@@ -253,7 +253,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             compiled = time.perf_counter()
             # Near-tied measured choices are settled in the whole step, before a batch size's graphs bake them in. One
             # choice serves every KV length, so each batch size settles at the middle of its KV buckets (at 256 slots
-            # an H200 picked a QKV form 0.066 ms/step slower at 1024, bench/results/*session9*).
+            # an H200 picked a QKV form 0.066 ms/step slower at 1024).
             decode_keys = sorted(key for owner, key in pending if owner is runner)
             for rows in dict.fromkeys(key[0] for key in decode_keys):
                 keys = [key for key in decode_keys if key[0] == rows]
