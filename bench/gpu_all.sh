@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one device call: kernel tests, the CUDA tests, the benchmark, the demo (and the
-# probes PROBES="gemv pdl ..." names, bench/<name>_probe.py; CUDA_TESTS=0 skips the CUDA tests).
+# probes PROBES="gemv boundary ..." names, bench/probes/<name>_probe.py; CUDA_TESTS=0 skips the CUDA tests).
 # Usage (on the H200): bash bench/gpu_all.sh [bench args...]. Results land in $OUT (or bench/results): one log
 # (gpu-all.log), the benchmark's JSON and PNG, and each probe's JSON.
 set -uo pipefail
@@ -16,7 +16,7 @@ echo "== kernel tests $(date +%T)" | tee -a "$log"
 python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider 2>&1 | tee -a "$log" || bench_args+=(--torch-ops)
 for probe in ${PROBES:-}; do
   echo "== $probe probe $(date +%T)" | tee -a "$log"
-  OUT="$out" python3 "bench/${probe}_probe.py" 2>&1 | tee -a "$log"
+  OUT="$out" python3 "bench/probes/${probe}_probe.py" 2>&1 | tee -a "$log"
 done
 if [ "${CUDA_TESTS:-1}" = 1 ]; then
   echo "== CUDA tests $(date +%T)" | tee -a "$log"

@@ -21,37 +21,34 @@ function of fixed-shape tensors, so it can be captured as a CUDA graph per (batc
 A prompt larger than the graph budget runs the same function eagerly at its exact size.
 """
 
-import bisect
-
 import torch
 import torch.nn.functional as F
 
+from .decoder_qwen3vl_graph import decoder_layers
+from .runner_qwen3vl_graph import GraphRunner, bucket_of
 
-class PrefillRunner:
+
+class PrefillRunner(GraphRunner):
     def __init__(
-        self, model, cache, ops, fused_weights, batch_buckets, token_buckets, cache_buckets, max_tokens: int, capturer,
-        use_graphs: bool, bucketed: bool,
+        self, text, cache, ops, deepstack_layers: int, batch_buckets, token_buckets, cache_buckets, max_tokens: int,
+        capturer, use_graphs: bool, bucketed: bool,
     ):
-        self.model = model
-        self.cache = cache
-        self.ops = ops
-        self.qkv_weights, self.gate_up_weights = fused_weights
-        self.batch_buckets = batch_buckets
         # A bucket never exceeds the cache (its padding slots are written too) nor `max_tokens` with its rows.
-        self.token_buckets = [size for size in token_buckets if size <= min(cache.capacity, max_tokens)]
-        self.cache_buckets = cache_buckets  # KV lengths of a prompt that extends the cache (the decode step's)
-        self.capturer = capturer
-        device = cache.full_keys[0].device
+        token_buckets = [size for size in token_buckets if size <= min(cache.capacity, max_tokens)]
         # Padded to buckets (the model does this on CUDA, graphs or not, so the eager step computes on exactly the
         # shapes the graphs do), or run at exact sizes.
-        self.bucketed = bucketed and bool(self.token_buckets)
-        self.can_use_graphs = self.bucketed
-        self.use_graphs = use_graphs and self.can_use_graphs
-        self.graphs = {}
-        text = model.model.language_model
-        hidden, deepstack = text.config.hidden_size, len(model.model.visual.deepstack_visual_indexes)
+        bucketed = bucketed and bool(token_buckets)
+        device, dtype = cache.full_keys[0].device, cache.full_keys[0].dtype
+        super().__init__(capturer, use_graphs, can_use_graphs=bucketed and device.type == "cuda")
+        self.text = text  # TextWeights
+        self.cache = cache
+        self.ops = ops
+        self.batch_buckets = batch_buckets
+        self.token_buckets = token_buckets
+        self.cache_buckets = cache_buckets  # KV lengths of a prompt that extends the cache (the decode step's)
+        self.bucketed = bucketed
+        hidden = text.embed.shape[1]
         self.max_tokens = max_tokens if self.bucketed else 0
-        dtype = cache.full_keys[0].dtype
 
         def buffer(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -62,12 +59,12 @@ class PrefillRunner:
         self.positions = buffer(3, tokens)
         self.modality = buffer(tokens)  # 0 text, 1 image, 2 video
         self.visual = buffer(max(tokens, 1), hidden, dtype=dtype)
-        self.deepstack = buffer(deepstack, max(tokens, 1), hidden, dtype=dtype)
+        self.deepstack = buffer(deepstack_layers, max(tokens, 1), hidden, dtype=dtype)
         # Per row and cache slot: whether a query may attend to it (the attention mask over cached and new tokens).
         self.attendable = buffer(cache.rows if self.bucketed else 0, cache.capacity, dtype=torch.bool)
         self.start = buffer(1)  # the first slot the prompt writes (what the cache already holds)
         self.last = buffer(1)
-        self.logits = buffer(cache.rows if self.bucketed else 0, model.lm_head.out_features, dtype=torch.float32)
+        self.logits = buffer(cache.rows if self.bucketed else 0, text.lm_head.shape[0], dtype=torch.float32)
 
     def run(self, input_ids, attention_mask, positions, modality, visual=None, deepstack=(), padded=True, start: int = 0):
         """Prefill `input_ids` `(b, s)` with M-RoPE `positions` `(3, b, s)` into cache slots [start, start + s),
@@ -106,10 +103,7 @@ class PrefillRunner:
                 buffer[: features.shape[0]] = features
         self.start.fill_(start)
         self.last.fill_(length - 1)
-        if self.use_graphs:
-            (self.graphs.get((*key, masked)) or self.capture(*key, masked)).replay()
-        else:
-            self.step(*key, masked)
+        self.execute((*key, masked))
         return self.logits[:batch].clone()
 
     def idle(self) -> None:
@@ -124,16 +118,15 @@ class PrefillRunner:
         size (CPU, over the budget, or no KV-length bucket holds it)."""
         if not self.bucketed or length > self.token_buckets[-1]:
             return None
-        rows = self.batch_buckets[bisect.bisect_left(self.batch_buckets, batch)]
-        size = self.token_buckets[bisect.bisect_left(self.token_buckets, length)]
+        rows, size = bucket_of(self.batch_buckets, batch), bucket_of(self.token_buckets, length)
         if rows * size > self.max_tokens:
             return None
         if not start:
             return rows, size, size
         # The bucket's padding tokens are written too: every written slot lies within the KV slots, and those
         # within the cache.
-        index = bisect.bisect_left(self.cache_buckets, start + size)
-        return (rows, size, self.cache_buckets[index]) if index < len(self.cache_buckets) else None
+        kv_slots = bucket_of(self.cache_buckets, start + size)
+        return None if kv_slots is None else (rows, size, kv_slots)
 
     def step(self, rows: int, size: int, kv_slots: int, masked: bool) -> None:
         tokens = rows * size
@@ -143,25 +136,19 @@ class PrefillRunner:
             self.visual, self.deepstack, self.start, self.last, masked,
         )
 
-    def graph_step(self, rows: int, size: int, kv_slots: int, masked: bool):
-        """The step a graph captures, and the state its runs advance: none (it writes its outputs only)."""
-        return lambda: self.step(rows, size, kv_slots, masked), ()
-
-    def capture(self, rows: int, size: int, kv_slots: int, masked: bool) -> torch.cuda.CUDAGraph:
+    def describe(self, key) -> str:
+        rows, size, kv_slots, masked = key
         after = f" after the cache, {kv_slots} slots" if kv_slots != size else ""
-        name = f"prefill ({rows} rows x {size} tokens{after}{', masked' if masked else ''})"
-        graph = self.capturer.capture(*self.graph_step(rows, size, kv_slots, masked), name=name)
-        self.graphs[(rows, size, kv_slots, masked)] = graph
-        return graph
+        return f"prefill ({rows} rows x {size} tokens{after}{', masked' if masked else ''})"
 
     def forward(self, input_ids, positions, attendable, modality, visual, deepstack, start, last, masked) -> torch.Tensor:
         """The prompt forward on tensors of one fixed shape `(rows, size)`; writes K/V of slots [start, start + size)
         and attends to the slots of `attendable` `(rows, KV slots)`. `masked`: some slot is not attendable or the
         prompt follows cached slots (else causality within the prompt is the whole mask)."""
-        ops, text = self.ops, self.model.model.language_model
+        ops, text = self.ops, self.text
         rows, size = input_ids.shape
         kv_slots = attendable.shape[1]
-        hidden = text.embed_tokens(input_ids)
+        hidden = F.embedding(input_ids, text.embed)
         # The k-th image token (row-major) takes feature row k, the k-th video token row (image tokens + k); the
         # index of a text token is unused.
         is_image, is_video = (modality == 1).flatten(), (modality == 2).flatten()
@@ -180,39 +167,28 @@ class PrefillRunner:
             mask = (slots[:, None] >= key_slots[None, :]) & attendable[:, None, :]
             mask = mask | ((slots[:, None] == key_slots[None, :]) & ~mask.any(-1, keepdim=True))
             mask = mask[:, None]  # (rows, 1, size, KV slots)
-        hidden = hidden.view(tokens, -1)
-        norms = [layer.input_layernorm for layer in text.layers[1:]] + [text.norm]
-        first = text.layers[0].input_layernorm
-        x = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
-        layers = zip(text.layers, norms, self.cache.full_keys, self.cache.full_values, self.qkv_weights, self.gate_up_weights)
-        for index, (layer, next_norm, keys, values, qkv_weight, gate_up_weight) in enumerate(layers):
-            attn, norm = layer.self_attn, layer.post_attention_layernorm
-            heads, kv_heads = attn.config.num_attention_heads, keys.shape[1]
+
+        def attend(layer, keys, values, x):
             # The same fused QK-norm / rotary / cache-write op as a decode step, over every token of the prompt.
-            q = ops.qk_norm_rope_write(
-                F.linear(x, qkv_weight), heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon,
-                rotary, keys, values, cache_rows, cache_slots,
-            )
-            q = q.view(rows, size, heads, -1).transpose(1, 2)
+            q = ops.qk_norm_rope_write(F.linear(x, layer.qkv), layer.heads, *layer.qk_norms, rotary, keys, values,
+                                       cache_rows, cache_slots)
+            q = q.view(rows, size, layer.heads, -1).transpose(1, 2)
             k, v = keys[:rows, :, :kv_slots], values[:rows, :, :kv_slots]
             if masked:  # K/V heads repeated for the query heads, as stock `repeat_kv` does (masked kernels lack GQA)
-                group = heads // kv_heads
+                group = layer.heads // keys.shape[1]
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
-            out = out.transpose(1, 2).reshape(tokens, -1)
-            hidden, x = ops.add_rms_norm(hidden, attn.o_proj(out), norm.weight, norm.variance_epsilon)
-            mlp_out = layer.mlp.down_proj(ops.silu_mul(F.linear(x, gate_up_weight)))
-            if index < len(deepstack):  # DeepStack: visual features of a vision layer join the residual stream
-                hidden = hidden + mlp_out
-                added = torch.where(is_visual, deepstack[index][order], 0).view(tokens, -1)
-                hidden = hidden + added
-                x = ops.rms_norm(hidden, next_norm.weight, next_norm.variance_epsilon)
-            else:
-                hidden, x = ops.add_rms_norm(hidden, mlp_out, next_norm.weight, next_norm.variance_epsilon)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scaling, enable_gqa=True)
+            return out.transpose(1, 2).reshape(tokens, -1)
+
+        # DeepStack: visual features of the first vision layers join the residual stream after the first decoder layers.
+        added = [torch.where(is_visual, features[order], 0).view(tokens, -1) for features in deepstack]
+        hidden = hidden.view(tokens, -1)
+        x = ops.rms_norm(hidden, *text.first_norm)
+        x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend, added)
         x = x.view(rows, size, -1).index_select(1, last)[:, 0]
-        return self.model.lm_head(x).float()
+        return F.linear(x, text.lm_head).float()
 
     def warmup_keys(self, batch_sizes, prompt_lengths) -> list:
         """The graphs these sizes use, largest first (for `model.warmup` to capture): (rows, tokens, KV slots, masked),

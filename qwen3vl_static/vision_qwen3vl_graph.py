@@ -3,37 +3,31 @@
 - The patch embedding is a Conv3d whose stride equals its kernel, i.e. one matrix product of the flattened
   patches `(N, C*T*P*P)` with the flattened kernel.
 - The stock sdpa vision attention splits the sequence per image with `lengths.tolist()`: a host sync in each
-  of the 24 blocks. Here one image (one segment) is one SDPA call, and several segments are one call with
-  a block-diagonal mask, built once per vision forward and shared by every block.
+  of the 24 blocks. The runner's attention runs one image (one segment) as one SDPA call, and several segments as
+  one call with a block-diagonal mask, built once per vision forward and shared by every block.
 - `Qwen3VLGraphVisionModel` is the stock tower whose forward hands over to the model's `VisionRunner` once
-  the model attached one (`static_cache()`). The runner keeps each image size's position tables, and on CUDA
+  the model's engine attached one. The runner keeps each image size's position tables, and on CUDA
   replays the tower as a CUDA graph. A single image (one segment) runs at its exact patch count with no mask:
   one graph per image size, captured on first use, the `table_cache_size` most recent sizes kept. Several
   images or frames are padded to a patch-count bucket: padding patches form a segment of their own in the
   block-diagonal mask, so real patches never see them. (On an H200, a 448x448 image took 1.99 ms at its exact
-  size against 2.32 ms padded to the 896 bucket with the mask: bench/results/*vision-bucket-probe.json.)
+  size against 2.32 ms padded to the 896 bucket with the mask.)
   Every caller of the tower (generate's pre-encoding on 5.2x, the stock forward, `get_image_features`) gets
-  the fast path (with grad disabled; training gets the stock tower). `generate` also starts a call's images on the
+  the fast path (with grad disabled; training, and calls recording attentions or hidden states, get the stock tower). `generate` also starts a call's images on the
   side stream as it begins (`encode_ahead`, calls without videos), so the tower runs while transformers prepares the
   inputs; the call's first encode takes that result.
-- The runner's blocks fuse each residual add with the LayerNorm after it, and (CUDA) the MLP's GELU with its
-  first projection, on the stock parameters.
+- The runner's blocks fuse each residual add with the LayerNorm after it, q/k rotary in one kernel, and (CUDA) the
+  MLP's GELU with its first projection, on the stock parameters.
 """
 
-import bisect
 from collections import OrderedDict
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_vl.modeling_qwen3_vl import (
-    Qwen3VLVisionAttention,
-    Qwen3VLVisionModel,
-    Qwen3VLVisionPatchEmbed,
-)
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel, Qwen3VLVisionPatchEmbed
 
 from .compat_qwen3vl_graph import vision_output, vision_tables
-from .kernels_qwen3vl_graph import decode_ops
+from .runner_qwen3vl_graph import GraphRunner, bucket_of
 
 
 class Qwen3VLGraphPatchEmbed(Qwen3VLVisionPatchEmbed):
@@ -60,57 +54,10 @@ class Qwen3VLGraphPatchEmbed(Qwen3VLVisionPatchEmbed):
 MAX_MASKED_LENGTH = 8192
 
 
-class BlockDiagonalMask:
-    """The attention mask of one vision forward, shared by its blocks (they all get the same `cu_seqlens`)."""
-
-    def __init__(self):
-        self.cu_seqlens = None
-        self.mask = None
-        self.pinned = False  # set by VisionRunner: `fixed` is the mask (or None), whatever `cu_seqlens` says
-        self.fixed = None
-
-    def get(self, cu_seqlens: torch.Tensor, length: int) -> torch.Tensor | None:
-        if self.pinned:
-            return self.fixed
-        if cu_seqlens.shape[0] <= 2:  # a single segment attends to all of itself: no mask
-            return None
-        if self.cu_seqlens is not cu_seqlens:
-            positions = torch.arange(length, device=cu_seqlens.device)
-            segment = torch.searchsorted(cu_seqlens, positions, right=True)
-            self.cu_seqlens, self.mask = cu_seqlens, segment[:, None] == segment[None, :]
-        return self.mask
-
-    @contextmanager
-    def fixed_mask(self, mask: torch.Tensor | None):
-        self.pinned, self.fixed = True, mask
-        try:
-            yield
-        finally:
-            self.pinned, self.fixed = False, None
-
-
-class Qwen3VLGraphVisionAttention(Qwen3VLVisionAttention):
-    def __init__(self, config, mask: BlockDiagonalMask, use_triton_kernels: bool = True) -> None:
-        super().__init__(config)
-        self.block_mask = mask
-        self.use_triton_kernels = use_triton_kernels
-
-    def forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
-        length = hidden_states.shape[0]
-        # Flash attention is already variable-length; very long multi-segment inputs keep the stock split. With grad
-        # enabled, the stock attention too: the fused Triton kernel has no backward.
-        stock = (
-            self.config._attn_implementation != "sdpa"
-            or (cu_seqlens.shape[0] > 2 and length > MAX_MASKED_LENGTH)
-            or torch.is_grad_enabled()
-        )
-        if stock and not self.block_mask.pinned:
-            return super().forward(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
-        # One fused kernel on CUDA: the stock rotary is a dozen elementwise passes in float32 per block.
-        ops = decode_ops(hidden_states.device, hidden_states.dtype, self.use_triton_kernels)
-        q, k, v = ops.vision_qkv_rope(self.qkv(hidden_states), self.num_heads, *position_embeddings)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.block_mask.get(cu_seqlens, length), scale=self.scaling)
-        return self.proj(out[0].transpose(0, 1).reshape(length, -1))
+def block_diagonal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """`(length, length)` booleans: patches attend within their own segment of `cu_seqlens`."""
+    segment = torch.searchsorted(cu_seqlens, torch.arange(length, device=cu_seqlens.device), right=True)
+    return segment[:, None] == segment[None, :]
 
 
 class Qwen3VLGraphVisionModel(Qwen3VLVisionModel):
@@ -122,6 +69,10 @@ class Qwen3VLGraphVisionModel(Qwen3VLVisionModel):
         super().__init__(config)
         self.runner = None
 
+    def tables(self, grid_thw: torch.Tensor):
+        """The per-patch tables of the images of `grid_thw` `(n, 3)`: position embeddings, rotary cos and sin."""
+        return vision_tables(self, grid_thw)
+
     def forward(self, hidden_states, grid_thw, **kwargs):
         runner = self.runner
         recording = kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
@@ -131,29 +82,31 @@ class Qwen3VLGraphVisionModel(Qwen3VLVisionModel):
         return output.to_tuple() if kwargs.get("return_dict") is False and hasattr(output, "to_tuple") else output
 
 
-class VisionRunner:
+class VisionRunner(GraphRunner):
     """Images or videos -> the tower's last hidden states, merged visual tokens and DeepStack features."""
 
     def __init__(
-        self, visual, mask: BlockDiagonalMask, patch_buckets, table_cache_size: int, capturer, use_graphs: bool,
-        bucketed: bool, use_triton_kernels: bool,
+        self, visual, ops, patch_buckets, table_cache_size: int, capturer, use_graphs: bool, bucketed: bool,
     ):
-        self.visual = visual
-        self.mask = mask
-        self.capturer = capturer
+        config = visual.config
+        # As for prefill, padded to buckets or run at exact sizes. The padded mask needs the sdpa attention (other
+        # implementations split by `cu_seqlens`, which padding would break).
+        bucketed = bucketed and bool(patch_buckets) and config._attn_implementation == "sdpa"
         weight = visual.patch_embed.proj.weight
+        super().__init__(capturer, use_graphs, can_use_graphs=bucketed and weight.is_cuda)
+        # The tower's parts the runner computes with (the tower itself only hands calls over to the runner).
+        self.patch_embed, self.blocks, self.merger = visual.patch_embed, visual.blocks, visual.merger
+        self.deepstack_mergers = dict(zip(visual.deepstack_visual_indexes, visual.deepstack_merger_list))
+        self.pos_embed = visual.pos_embed
+        self.tables_of = visual.tables  # grid_thw -> (position embeddings, cos, sin)
+        self.sdpa = config._attn_implementation == "sdpa"
+        self.ops = ops
         device, self.dtype = weight.device, weight.dtype
         self.weight_address = weight.data_ptr()
-        config = visual.config
-        self.ops = decode_ops(device, self.dtype, use_triton_kernels)
         self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"  # the MLP activation that has a fused form
         self.unit = config.spatial_merge_size**2  # patches per merged token
         self.buckets = patch_buckets
-        # As for prefill, padded to buckets or run at exact sizes. The padded mask needs the sdpa attention (other
-        # implementations split by `cu_seqlens`, which padding would break).
-        self.bucketed = bucketed and bool(patch_buckets) and config._attn_implementation == "sdpa"
-        self.can_use_graphs = self.bucketed
-        self.use_graphs = use_graphs and self.can_use_graphs
+        self.bucketed = bucketed
         self.graphs = OrderedDict()  # (patches, masked) -> graph; single-image ones least recently used first
         self.tables = OrderedDict()  # (t, h, w) -> tables, least recently used first
         self.tables_weight = None  # (address, version) of the position embedding the tables were computed from
@@ -172,18 +125,17 @@ class VisionRunner:
         self.segments = buffer(patches, dtype=torch.long)
         self.hidden = buffer(patches, config.hidden_size)
         self.merged = buffer(merged, config.out_hidden_size)
-        self.deepstack = buffer(len(visual.deepstack_visual_indexes), merged, config.out_hidden_size)
-        self.one_segment = torch.tensor([0, patches], dtype=torch.int32, device=device)
+        self.deepstack = buffer(len(self.deepstack_mergers), merged, config.out_hidden_size)
         self.ahead = None  # `encode_ahead`'s pending result
 
     def current(self) -> bool:
         """False once the tower's weights were replaced or moved (graphs hold their addresses)."""
-        return self.visual.patch_embed.proj.weight.data_ptr() == self.weight_address
+        return self.patch_embed.proj.weight.data_ptr() == self.weight_address
 
     def table(self, grid: tuple):
         """Position embeddings, rotary cos/sin and frame index `(t*h*w,)` of one image size, computed once per
         value of the position embedding, without autograd state (a cached table outlives the call that made it)."""
-        weight = self.visual.pos_embed.weight
+        weight = self.pos_embed.weight
         # The version counter moves with every in-place update (an optimizer step, `load_state_dict`); inference
         # tensors have none, and cannot be updated outside inference mode.
         current = (weight.data_ptr(), None if weight.is_inference() else weight._version)
@@ -195,7 +147,7 @@ class VisionRunner:
             return self.tables[grid]
         device = self.positions.device
         with torch.no_grad():
-            positions, cos, sin = vision_tables(self.visual, torch.tensor([grid], device=device))
+            positions, cos, sin = self.tables_of(torch.tensor([grid], device=device))
         t, h, w = grid
         frames = torch.arange(t, device=device).repeat_interleave(h * w)
         self.tables[grid] = entry = (positions, cos, sin, frames)
@@ -204,9 +156,7 @@ class VisionRunner:
         return entry
 
     def bucket(self, patches: int):
-        if not self.bucketed or patches > self.buckets[-1]:
-            return None
-        return self.buckets[bisect.bisect_left(self.buckets, patches)]
+        return bucket_of(self.buckets, patches) if self.bucketed else None
 
     def shape(self, patches: int, segments: int):
         """(patches computed, masked) of a call: a single segment at its exact size without a mask, several
@@ -236,12 +186,13 @@ class VisionRunner:
             lengths = [h * w for t, h, w in grids for _ in range(t)]  # one attention segment per frame
             cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(pixel_values.device)
             positions, cos, sin, _ = (torch.cat(parts) for parts in zip(*tables))
-            return self.tower(pixel_values.to(self.dtype), positions, cos, sin, cu_seqlens)
+            pixels = pixel_values.to(self.dtype)
+            if not self.sdpa or (len(lengths) > 1 and patches > MAX_MASKED_LENGTH):
+                return self.tower(pixels, positions, cos, sin, None, cu_seqlens)
+            mask = block_diagonal_mask(cu_seqlens, patches) if len(lengths) > 1 else None
+            return self.tower(pixels, positions, cos, sin, mask)
         self.load(pixel_values, grids, tables, shape)
-        if self.use_graphs:
-            self.replay(shape)
-        else:
-            self.step(*shape)
+        self.execute(shape)
         return self.outputs(patches)
 
     @torch.no_grad()
@@ -267,7 +218,7 @@ class VisionRunner:
         stream.wait_stream(torch.cuda.current_stream())  # the pixels, and any graph still running on that stream
         with torch.cuda.stream(stream):
             self.load(pixel_values, grids, tables, shape)
-            self.replay(shape)
+            self.execute(shape)
             done = torch.cuda.Event()
             done.record()
         # The side stream reads tensors allocated on the default stream, which may be freed before it is done (a
@@ -301,18 +252,17 @@ class VisionRunner:
             self.segments[patches:size] = -1  # padding: a segment of its own
         self.pixels[:patches] = pixel_values
 
-    def replay(self, shape) -> None:
-        """Replay the graph of `shape`, captured first if it is new."""
-        graph = self.graphs.get(shape) or self.capture(*shape)
+    def graph(self, key):
+        graph = super().graph(key)
         # A graph dropped here may still be running, on either stream (a run ahead is joined on the GPU, not the host):
         # CUDA frees an in-flight executable graph once it completes, and its memory stays in the graphs' pool, which
         # ordinary allocations never get.
-        if not shape[1]:  # one graph per image size: keep the most recently used sizes
-            self.graphs.move_to_end(shape)
-            singles = [key for key in self.graphs if not key[1]]
-            for key in singles[: max(0, len(singles) - self.table_cache_size)]:
-                del self.graphs[key]
-        graph.replay()
+        if not key[1]:  # one graph per image size: keep the most recently used sizes
+            self.graphs.move_to_end(key)
+            singles = [other for other in self.graphs if not other[1]]
+            for other in singles[: max(0, len(singles) - self.table_cache_size)]:
+                del self.graphs[other]
+        return graph
 
     def outputs(self, patches: int):
         merged = patches // self.unit
@@ -327,39 +277,37 @@ class VisionRunner:
             # Additive, built once per call: SDPA would convert a boolean mask again in each of the blocks.
             same = segments[:, None] == segments[None, :]
             mask = torch.zeros(same.shape, dtype=self.dtype, device=same.device).masked_fill_(~same, float("-inf"))
-        with self.mask.fixed_mask(mask):
-            hidden, merged, deepstack = self.tower(
-                self.pixels[:patches], self.positions[:patches], self.cos[:patches], self.sin[:patches], self.one_segment
-            )
+        hidden, merged, deepstack = self.tower(
+            self.pixels[:patches], self.positions[:patches], self.cos[:patches], self.sin[:patches], mask
+        )
         rows = patches // self.unit
         self.hidden[:patches] = hidden
         self.merged[:rows] = merged
         for buffer, features in zip(self.deepstack, deepstack):
             buffer[:rows] = features
 
-    def graph_step(self, patches: int, masked: bool):
-        """The step a graph captures, and the state its runs advance: none (it writes its outputs only)."""
-        return lambda: self.step(patches, masked), ()
+    def describe(self, key) -> str:
+        patches, masked = key
+        return f"vision ({patches} patches{'' if masked else ', one image'})"
 
-    def capture(self, patches: int, masked: bool) -> torch.cuda.CUDAGraph:
-        graph = self.capturer.capture(
-            *self.graph_step(patches, masked), name=f"vision ({patches} patches{'' if masked else ', one image'})"
-        )
-        self.graphs[(patches, masked)] = graph
-        return graph
-
-    def tower(self, pixels, positions, cos, sin, cu_seqlens):
+    def tower(self, pixels, positions, cos, sin, mask, cu_seqlens=None):
         """The stock vision forward after its table lookups: patch embedding, blocks, DeepStack mergers, merger.
-        Returns (last hidden states, merged tokens, DeepStack features). Each block is the stock block's math with
-        its residual adds fused into the LayerNorm that follows (the next block's `norm1` for the second one)."""
-        visual, ops = self.visual, self.ops
-        hidden = visual.patch_embed(pixels) + positions
-        blocks = visual.blocks
+        Returns (last hidden states, merged tokens, DeepStack features). Attention follows `mask` (None: every patch
+        sees every patch); `cu_seqlens` (the segments) is set where the stock attention runs instead (not sdpa, or
+        too many patches for a mask). Each block is the stock block's math with its residual adds fused into the
+        LayerNorm that follows (the next block's `norm1` for the second one)."""
+        ops, blocks = self.ops, self.blocks
+        hidden = self.patch_embed(pixels) + positions
         x = blocks[0].norm1(hidden)
         deepstack = []
         for index, block in enumerate(blocks):
-            attn_out = block.attn(x, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
-            norm, mlp = block.norm2, block.mlp
+            attn, norm, mlp = block.attn, block.norm2, block.mlp
+            if cu_seqlens is not None:
+                attn_out = attn(x, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
+            else:  # q/k rotary in one kernel: the stock rotary is a dozen elementwise passes in float32 per block
+                q, k, v = ops.vision_qkv_rope(attn.qkv(x), attn.num_heads, cos, sin)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+                attn_out = attn.proj(out[0].transpose(0, 1).reshape(x.shape[0], -1))
             hidden, x = ops.add_layer_norm(hidden, attn_out, norm.weight, norm.bias, norm.eps)
             if self.gelu_tanh:
                 up = ops.linear_gelu_tanh(x, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
@@ -371,9 +319,9 @@ class VisionRunner:
                 hidden, x = ops.add_layer_norm(hidden, mlp_out, norm.weight, norm.bias, norm.eps)
             else:
                 hidden = hidden + mlp_out
-            if index in visual.deepstack_visual_indexes:
-                deepstack.append(visual.deepstack_merger_list[visual.deepstack_visual_indexes.index(index)](hidden))
-        return hidden, visual.merger(hidden), deepstack
+            if index in self.deepstack_mergers:
+                deepstack.append(self.deepstack_mergers[index](hidden))
+        return hidden, self.merger(hidden), deepstack
 
     def warmup_keys(self, patch_counts=None) -> list:
         """The (patches, masked) graphs for these patch counts, largest first: for each count, its exact size (one

@@ -10,7 +10,7 @@ from PIL import Image
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
-from qwen3vl_static.prefill_qwen3vl_graph import PrefillRunner
+from qwen3vl_static.engine_qwen3vl_graph import GraphEngine
 from qwen3vl_static.presets import tiny_config, tiny_config_dict, tiny_image_processor, tiny_inputs, tiny_tokenizer
 
 
@@ -44,19 +44,13 @@ def tiny_pair():
 
 
 def bucketed_pair(**settings):
-    """(ours with the prefill padded to buckets, as on CUDA but without graphs; stock), same weights, fp32."""
+    """(ours with prompts and images padded to buckets, as on CUDA but without graphs; stock), same weights, fp32."""
     torch.manual_seed(0)
     config = tiny_config(static_cache_len=160, max_batch_size=4, prefill_graph_tokens=512, **settings)
     ours = Qwen3VLGraphForConditionalGeneration(config).eval()
     stock = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval()
     stock.load_state_dict(ours.state_dict())
-    cache = ours.static_cache()
-    runner = ours._runner
-    ours._prefill_runner = PrefillRunner(
-        ours, cache, runner.ops, (runner.qkv_weights, runner.gate_up_weights), runner.batch_buckets,
-        config.prompt_buckets(), config.cache_buckets(), config.prefill_graph_tokens, runner.capturer, use_graphs=False,
-        bucketed=True,
-    )
+    ours._engine = GraphEngine(ours, bucketed=True)
     return ours, stock
 
 

@@ -91,15 +91,15 @@ def test_fused_projections_keep_one_copy_and_the_stock_checkpoint(tiny_pair, tmp
     assert torch.equal(reloaded.model.language_model.layers[0].self_attn.k_proj.weight, attn.k_proj.weight)
 
 
-def test_replaced_weights_rebuild_the_runner(tiny_pair):
+def test_replaced_weights_rebuild_the_engine(tiny_pair):
     ours, _ = tiny_pair
-    runner = ours._runner or (ours.static_cache() and ours._runner)
+    engine = ours.graph_engine()
     layer = ours.model.language_model.layers[1]
     original = layer.mlp.up_proj.weight.data
     layer.mlp.up_proj.weight.data = original.clone()  # what .to() or a re-assignment does
     try:
         ours.static_cache()
-        assert ours._runner is not runner and ours._runner.weights_current()
+        assert ours.graph_engine() is not engine and ours.graph_engine().text.current()
     finally:
         ours.static_cache()
 
@@ -119,9 +119,8 @@ def test_warmup_rejects_bad_sizes_and_modes(tiny_pair):
 def test_set_cuda_graphs_never_turns_graphs_on_where_they_cannot_run(tiny_pair):
     ours, _ = tiny_pair
     ours.set_cuda_graphs(True)
-    runners = (ours._runner, ours._prefill_runner, ours.model.visual.runner)
-    assert not any(runner.use_graphs for runner in runners)  # the CPU: no CUDA graphs, and no padded buckets
-    assert not ours._prefill_runner.bucketed and not ours.model.visual.runner.bucketed
+    assert not any(runner.use_graphs for runner in ours._engine.runners)  # the CPU: no CUDA graphs, and no padded buckets
+    assert not ours._engine.prefill.bucketed and not ours._engine.vision.bucketed
 
 
 def vision_features(model, pixels, grid):

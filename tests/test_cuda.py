@@ -58,7 +58,7 @@ def test_graph_equals_eager_static_path(models):
         eager = generate(ours, prompt, 256, graphs=False)
         assert graph.tolist() == eager.tolist()
     # the graph paths really ran: decode, prefill and vision
-    assert ours._runner.graphs and ours._prefill_runner.graphs and ours.model.visual.runner.graphs
+    assert ours._engine.decode.graphs and ours._engine.prefill.graphs and ours._engine.vision.graphs
 
 
 def test_near_tied_choices_are_settled_by_the_whole_step(models, monkeypatch):
@@ -66,7 +66,7 @@ def test_near_tied_choices_are_settled_by_the_whole_step(models, monkeypatch):
     choice and keeps the fastest there; the graphs it captures still reproduce the eager path. (This warmup follows
     longer prompts: its prefill steps must not read at a previous prompt's last token, past their bucket.)"""
     ours, _ = models
-    ops = ours._runner.ops
+    ops = ours._engine.decode.ops
     if not hasattr(ops, "step_timings"):
         pytest.skip("the torch decode ops make no measured choices")
     monkeypatch.setattr(ops, "NEAR_TIE", float("inf"))
@@ -99,7 +99,7 @@ def test_torch_ops_graph_equals_eager_and_stays_close_to_the_kernels(models):
 
     ours, _ = models
     ours.static_cache()
-    runner = ours._runner
+    runner = ours._engine.decode
     prompt = left_padded(text_prompt(ours.config, 4, 150, "cuda", torch.Generator().manual_seed(8)), [0, 3, 40, 77])
     with_logits = dict(return_dict_in_generate=True, output_logits=True)
     kernels = generate(ours, prompt, 64, **with_logits)
@@ -190,7 +190,7 @@ def test_vision_features_and_prefill_logits_match_stock(models, sides):
     ours, stock = models
     prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(9), sides=sides)
     pixels, grid = prompt["pixel_values"], prompt["image_grid_thw"]
-    assert ours.model.visual.runner.bucket(pixels.shape[0]) is not None  # the graph path
+    assert ours._engine.vision.bucket(pixels.shape[0]) is not None  # the graph path
     reference = copy.deepcopy(stock).float()
     kwargs = dict(max_new_tokens=1, do_sample=False, return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():
@@ -204,7 +204,7 @@ def test_vision_features_and_prefill_logits_match_stock(models, sides):
     print("relative error vs float32 (ours, stock bf16):", {k: tuple(round(e, 4) for e in v) for k, v in errors.items()})
     for name, (ours_error, stock_error) in errors.items():
         assert ours_error <= 2 * stock_error + 1e-3, (name, ours_error, stock_error)
-    assert ours._prefill_runner.graphs and ours.model.visual.runner.graphs
+    assert ours._engine.prefill.graphs and ours._engine.vision.graphs
 
 
 def test_vision_runs_ahead_on_the_side_stream(models, monkeypatch):
@@ -212,7 +212,7 @@ def test_vision_runs_ahead_on_the_side_stream(models, monkeypatch):
     follows takes that result instead of running the tower again; tokens equal the eager static path's. An encode of
     other images after a run ahead waits for it and encodes its own."""
     ours, _ = models
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
     prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(10))
     generate(ours, prompt, 8)  # captures this image size's graph
     streams = []
@@ -234,10 +234,10 @@ def test_vision_runs_ahead_on_the_side_stream(models, monkeypatch):
 def test_bucket_switch_mid_generation(models):
     ours, _ = models
     prompt = text_prompt(ours.config, 2, 200, "cuda", torch.Generator().manual_seed(3))
-    assert 256 in ours._runner.cache_buckets
+    assert 256 in ours._engine.decode.cache_buckets
     graph = generate(ours, prompt, 150)  # crosses the 256-slot bucket into 512
     assert graph.tolist() == generate(ours, prompt, 150, graphs=False).tolist()
-    assert any(key[1] == 512 for key in ours._runner.graphs) and any(key[1] == 256 for key in ours._runner.graphs)
+    assert any(key[1] == 512 for key in ours._engine.decode.graphs) and any(key[1] == 256 for key in ours._engine.decode.graphs)
 
 
 def test_consecutive_calls_with_different_shapes(models):
@@ -318,7 +318,7 @@ def test_a_video_never_takes_the_features_of_images_run_ahead(models):
     run ahead could start), gives the tokens of the eager static path. And in the order that would mix them up, a
     video encoded while the call's images could be running ahead gets its own features."""
     ours, _ = models
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
     prompt = video_and_image_prompt(ours.config, torch.Generator().manual_seed(12))
     generate(ours, prompt, 8)  # captures this size's graph
     assert generate(ours, prompt, 64).tolist() == generate(ours, prompt, 64, graphs=False).tolist()
@@ -335,7 +335,7 @@ def test_tables_evicted_during_a_run_ahead(models, monkeypatch):
     """With no table slot (`vision_table_cache_size=0`) every table a run-ahead looks up is evicted at once, while the
     side stream still has to read it: a call with three image sizes, run ahead, gives the tokens of the eager path."""
     ours, _ = models
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
     monkeypatch.setattr(runner, "table_cache_size", 0)
     runner.tables.clear()  # an insertion evicts one entry: the new one, from an empty cache
     prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(13), sides=(448, 224, 320))
@@ -358,4 +358,4 @@ def test_second_turn_with_the_returned_cache_graph_equals_eager(models):
         first, resumed, _ = second_turn(ours, image, torch.Generator().manual_seed(6), answer=64)
         tokens[graphs] = generate(ours, resumed, 64, graphs=graphs, **{CACHE_KWARG: returned_cache(first)})
     assert tokens[True].tolist() == tokens[False].tolist()
-    assert any(kv_slots != size for _, size, kv_slots, _ in ours._prefill_runner.graphs)
+    assert any(kv_slots != size for _, size, kv_slots, _ in ours._engine.prefill.graphs)

@@ -8,7 +8,7 @@ from transformers import (
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import build, chat, image
-from qwen3vl_static.graphs_qwen3vl_graph import sample_tokens
+from qwen3vl_static.loops_qwen3vl_graph import sample_tokens
 from qwen3vl_static.presets import TINY_IDS, tiny_config_dict, tiny_inputs, tiny_tokenizer
 
 TEXT = [[chat("Describe a cat in one line.")]]
@@ -23,8 +23,8 @@ MIXED_BATCH = (
 
 def assert_same_generate(ours, stock, model_inputs, **kwargs):
     expected = stock.generate(**model_inputs, **kwargs)
-    if ours._runner is not None:
-        ours._runner.length = -1  # `used_static_loop` sees whether a request started since
+    if ours._engine is not None:
+        ours._engine.decode.length = -1  # `used_static_loop` sees whether a request started since
     got = ours.generate(**model_inputs, **kwargs)
     sequences = got.sequences if hasattr(got, "sequences") else got
     reference = expected.sequences if hasattr(expected, "sequences") else expected
@@ -34,7 +34,7 @@ def assert_same_generate(ours, stock, model_inputs, **kwargs):
 
 def used_static_loop(model):
     """The static loop (not the stock fallback) ran since `assert_same_generate` reset the runner's fill level."""
-    return model._runner is not None and model._runner.length >= 0
+    return model._engine is not None and model._engine.decode.length >= 0
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_max_new_tokens_fills_capacity_exactly(tiny_pair):
     got, _ = assert_same_generate(
         ours, stock, model_inputs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=no_eos
     )
-    assert got.shape[1] == capacity + 1 and ours._runner.length == capacity
+    assert got.shape[1] == capacity + 1 and ours._engine.decode.length == capacity
 
 
 class Identity(LogitsProcessor):
@@ -172,11 +172,11 @@ def test_scores_and_logits_in_dict_output(tiny_pair):
 def test_hidden_state_outputs_run_the_stock_loop(tiny_pair):
     ours, stock = tiny_pair
     model_inputs = build((TEXT, {}))
-    ours._runner.length = -1
+    ours._engine.decode.length = -1
     kwargs = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_hidden_states=True)
     got, expected = assert_same_generate(ours, stock, model_inputs, **kwargs)
     assert len(got.hidden_states) == 5
-    assert ours._runner.length == -1  # the static loop did not run
+    assert ours._engine.decode.length == -1  # the static loop did not run
 
 
 def test_beam_search_falls_back_with_one_warning(tiny_pair, caplog):
@@ -205,7 +205,7 @@ def test_no_automatic_compile(tiny_pair, monkeypatch):
     assert compiled
     compiled.clear()
     ours.static_cache()
-    ours._runner.length = -1  # `used_static_loop` sees whether a request started since
+    ours._engine.decode.length = -1  # `used_static_loop` sees whether a request started since
     ours.generate(**model_inputs, **kwargs)
     assert used_static_loop(ours)
     ours.generate(**model_inputs, output_hidden_states=True, return_dict_in_generate=True, **kwargs)  # the stock loop
@@ -229,7 +229,7 @@ def test_chunked_device_loop_stops_like_stock(tiny_pair, steps_per_sync):
     generated = free_run[:, model_inputs["input_ids"].shape[1]:]
     eos = [int(generated[0, 4]), int(generated[1, 9]), int(generated[2, 6])]
     ours.static_cache()
-    runner = ours._runner
+    runner = ours._engine.decode
     default = runner.steps_per_sync
     runner.steps_per_sync = steps_per_sync  # fewer columns of the same output buffers
     try:

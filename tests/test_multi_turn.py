@@ -78,7 +78,7 @@ def test_a_batch_resumes_prefilling_only_its_new_tokens(request, pair, monkeypat
     """Two left-padded rows, three turns: each later turn prefills only its new tokens (into the slots after the
     cached ones, bucketed to a KV-length bucket or at their exact size) and equals stock reusing its cache."""
     ours, stock = request.getfixturevalue(pair)
-    prefill = ours._prefill_runner
+    prefill = ours._engine.prefill
     starts = []
     run = prefill.run
     monkeypatch.setattr(prefill, "run", lambda *args, **kwargs: starts.append((args[0].shape[1], args[-1])) or run(*args, **kwargs))

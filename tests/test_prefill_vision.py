@@ -9,7 +9,6 @@ import torch
 from conftest import bucketed_pair, build, chat, image, right_padded
 from qwen3vl_static.compat_qwen3vl_graph import vision_features
 from qwen3vl_static.presets import tiny_config
-from qwen3vl_static.vision_qwen3vl_graph import VisionRunner
 
 ONE_IMAGE = ([[chat("image", "What is in the picture?")]], {"images": [image(64, 96)]})
 TWO_IMAGES = ([[chat("image", "and", "image", "compare them")]], {"images": [image(64, 64), image(32, 64, "blue")]})
@@ -24,33 +23,26 @@ UNPADDED_BATCH = ([[chat("Describe a cat.")], [chat("Describe a dog.")]], {})  #
 @pytest.fixture(scope="module")
 def padded_pair():
     """(ours with runners that pad to buckets, as on CUDA but without graphs; stock), same weights, fp32."""
-    ours, stock = bucketed_pair(vision_graph_patches=128)
-    config, runner = ours.config, ours._runner
-    visual = ours.model.visual
-    visual.runner = VisionRunner(
-        visual, ours._vision_mask, config.patch_buckets(), 2, runner.capturer, use_graphs=False, bucketed=True,
-        use_triton_kernels=config.use_triton_kernels,
-    )
-    return ours, stock
+    return bucketed_pair(vision_graph_patches=128, vision_table_cache_size=2)
 
 
 def test_buckets_never_exceed_the_cache(padded_pair):
     ours, _ = padded_pair
-    prefill = ours._prefill_runner
+    prefill = ours._engine.prefill
     assert prefill.token_buckets == [16, 32, 64, 128]  # 256 and 512 would write past the 160 slots
     assert prefill.bucket(1, 50) == (1, 64, 64) and prefill.bucket(3, 50) == (4, 64, 64)
     # After cached slots, the new tokens' bucket must end within a KV-length bucket (here the cache's 160 slots).
     assert prefill.bucket(1, 50, start=90) == (1, 64, 160) and prefill.bucket(1, 50, start=100) is None
     assert prefill.bucket(1, 129) is None  # longer prompts run at their exact size
-    assert ours.model.visual.runner.bucket(24) == 128 and ours.model.visual.runner.bucket(129) is None
+    assert ours._engine.vision.bucket(24) == 128 and ours._engine.vision.bucket(129) is None
 
 
 def test_warmup_keys_cover_padding_and_masks(padded_pair):
     """Prefill: several rows get the unpadded and the padded graph. Vision: every count its exact-size graph (one
     image) and its bucket's masked graph (several); counts over the limit none; by default the buckets."""
     ours, _ = padded_pair
-    assert ours._prefill_runner.warmup_keys([1, 3], [50]) == [(4, 64, 64, True), (4, 64, 64, False), (1, 64, 64, False)]
-    runner = ours.model.visual.runner
+    assert ours._engine.prefill.warmup_keys([1, 3], [50]) == [(4, 64, 64, True), (4, 64, 64, False), (1, 64, 64, False)]
+    runner = ours._engine.vision
     assert runner.warmup_keys() == [(128, True)]
     assert runner.warmup_keys([24]) == [(128, True), (24, False)]
     assert runner.warmup_keys([24, 128, 200]) == [(128, True), (128, False), (24, False)]
@@ -82,7 +74,7 @@ def test_padded_vision_features_equal_stock(padded_pair):
     ours, stock = padded_pair
     model_inputs = build(TWO_IMAGES)
     pixels, grid = model_inputs["pixel_values"], model_inputs["image_grid_thw"]
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
     assert runner.bucket(pixels.shape[0]) > pixels.shape[0]  # really padded
     with torch.no_grad():
         got = ours.model.visual(pixels, grid_thw=grid)
@@ -99,7 +91,7 @@ def test_a_single_image_runs_at_its_exact_size_without_a_mask(padded_pair, monke
     ours, stock = padded_pair
     model_inputs = build(ONE_IMAGE)
     pixels, grid = model_inputs["pixel_values"], model_inputs["image_grid_thw"]
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
     steps = []
     monkeypatch.setattr(runner, "step", lambda patches, masked, _step=runner.step: steps.append((patches, masked)) or _step(patches, masked))
     with torch.no_grad():
@@ -115,7 +107,7 @@ def test_single_image_graphs_keep_the_most_recent_sizes(padded_pair, monkeypatch
     """One graph per single-image size, at most `vision_table_cache_size` (2 here), least recently used dropped.
     (A stand-in capturer: graphs need CUDA; the bookkeeping does not.)"""
     ours, _ = padded_pair
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
 
     class Capturer:
         def capture(self, step, state=(), name=""):
@@ -135,7 +127,7 @@ def test_single_image_graphs_keep_the_most_recent_sizes(padded_pair, monkeypatch
 
 def test_vision_tables_are_cached_with_a_bound(padded_pair):
     ours, _ = padded_pair
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
     runner.tables.clear()
     for grid in [(1, 4, 4), (1, 4, 8), (1, 4, 4), (1, 8, 8)]:
         runner.table(grid)

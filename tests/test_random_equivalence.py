@@ -177,8 +177,8 @@ def test_random_case_matches_stock(seed):
 
     expected = stock.generate(**model_inputs, **kwargs)
     ours.static_cache()
-    ours._runner.length = -1  # to see below that the static loop (not the stock fallback) ran
+    ours._engine.decode.length = -1  # to see below that the static loop (not the stock fallback) ran
     got = ours.generate(**model_inputs, **kwargs)
     new = model_inputs["input_ids"].shape[1]
     assert got.tolist() == expected.tolist(), f"{case}\nnew tokens ours ={got[:, new:].tolist()}\nstock={expected[:, new:].tolist()}"
-    assert ours._runner.length >= 0, case
+    assert ours._engine.decode.length >= 0, case

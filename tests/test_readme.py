@@ -1,6 +1,7 @@
-"""The README's Usage code runs as written against a tiny converted checkpoint (CPU), and the model card shows the same
-code."""
+"""The README's Usage code runs as written against a tiny converted checkpoint (CPU), the model card shows the same
+code, and the README's settings table is the one the config's docstring gives."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from qwen3vl_static.presets import tiny_inputs
 from test_convert import HIDE_PACKAGE, run_child
 
 README = Path(__file__).parents[1] / "README.md"
+CONFIG_SOURCE = Path(__file__).parents[1] / "qwen3vl_static" / "configuration_qwen3vl_graph.py"
+CONFIG_CLASS = "Qwen3VLGraphConfig"
+SETTINGS_HEADER = ("| name | default | meaning |", "|---|---|---|")
 # The only text of the Usage that a test replaces: where the checkpoint is and where the image is.
 USAGE_REPO = '"./qwen3-vl-2b-graph"'
 USAGE_IMAGE = '"https://qianwen-res.oss-cn-beijing.aliyuncs.com/Qwen-VL/assets/demo.jpeg"'
@@ -101,3 +105,118 @@ def test_model_card_shows_the_same_usage(repo):
     card = usage_block((repo / "README.md").read_text(encoding="utf-8"))
     assert f'repo = "{repo}"\n' in card
     assert without_repo_line(card) == without_repo_line(usage_block(README.read_text(encoding="utf-8")))
+
+
+# -- The settings table: generated from the `Args:` section of `Qwen3VLGraphConfig`'s docstring ------------------------
+# Read from the source (ast, no import), so the table is checked whatever else the package's import needs. To update the
+# README after a field or its docs change: run `python -m pytest tests/test_readme.py`; the failure prints the table.
+
+
+def _config_class(source: str) -> ast.ClassDef:
+    return next(node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef) and node.name == CONFIG_CLASS)
+
+
+def config_field_docs(source: str) -> list[tuple[str, str, str]]:
+    """(name, default, meaning) of each entry of the class docstring's `Args:` section, in order. An entry reads
+    `name (`type`, defaults to VALUE):` or `name (`type`, *optional*):` (default `None`), then its indented text."""
+    lines = ast.get_docstring(_config_class(source)).splitlines()
+    body = lines[lines.index("Args:") + 1 :]
+    entries, indent = [], None
+    for line in body:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent:  # the next section
+            break
+        if depth == indent:
+            match = re.fullmatch(r"(\w+) \((.*)\):", line.strip())
+            assert match, f"not an `Args:` entry of {CONFIG_CLASS}: {line.strip()!r}"
+            kind = match.group(2)
+            default = kind.split("defaults to ", 1)[1].strip("`") if "defaults to " in kind else None
+            assert default is not None or "*optional*" in kind, f"{match.group(1)}: no default in {kind!r}"
+            entries.append([match.group(1), "None" if default is None else default, []])
+        else:
+            entries[-1][2].append(line.strip())
+    return [(name, default, " ".join(text)) for name, default, text in entries]
+
+
+def config_field_defaults(source: str) -> dict[str, str]:
+    """The class body's declared fields (`name: type = value`) -> their default as source text."""
+    return {node.target.id: ast.unparse(node.value).replace("'", '"')
+            for node in _config_class(source).body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None}
+
+
+def settings_table(source: str) -> list[str]:
+    """The README's settings table (Markdown lines) for the config source's `Args:` section."""
+    def cell(text):
+        return text.replace("|", "\\|")
+
+    rows = [f"| `{name}` | `{default}` | {cell(meaning)} |" for name, default, meaning in config_field_docs(source)]
+    return [*SETTINGS_HEADER, *rows]
+
+
+def readme_settings_table(markdown: str) -> list[str]:
+    """The table of the README's "## Settings" section: its first run of lines that start with `|`."""
+    section = markdown.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    lines = section.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith("|"))
+    end = next((index for index in range(start, len(lines)) if not lines[index].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def test_readme_settings_table_is_the_config_docstring():
+    expected = settings_table(CONFIG_SOURCE.read_text(encoding="utf-8"))
+    found = readme_settings_table(README.read_text(encoding="utf-8"))
+    assert found == expected, (
+        "README.md's settings table differs from the `Args:` section of Qwen3VLGraphConfig's docstring "
+        "(qwen3vl_static/configuration_qwen3vl_graph.py). Replace the table under \"## Settings\" with:\n\n"
+        + "\n".join(expected) + "\n"
+    )
+
+
+def test_config_docstring_documents_every_field_with_its_default():
+    source = CONFIG_SOURCE.read_text(encoding="utf-8")
+    documented = {name: default for name, default, _ in config_field_docs(source)}
+    assert documented == config_field_defaults(source)
+
+
+def test_settings_table_parser():
+    """The generator on a docstring of each entry form, and the README reader on a section between two others."""
+    source = '''
+class Qwen3VLGraphConfig:
+    r"""
+    Intro.
+
+    Args:
+        flag (`bool`, defaults to `True`):
+            Turns a thing on | off
+            when set.
+        size (`int`, defaults to 8):
+            Rows.
+        names (`list[int]`, *optional*):
+            Defaults to powers of two.
+        mode (`str`, defaults to `"gemm"`):
+            How.
+
+    Returns:
+        nothing
+    """
+
+    flag: bool = True
+    size: int = 8
+    names: list[int] | None = None
+    mode: str = "gemm"
+'''
+    table = settings_table(source)
+    assert table[2:] == [
+        "| `flag` | `True` | Turns a thing on \\| off when set. |",
+        "| `size` | `8` | Rows. |",
+        "| `names` | `None` | Defaults to powers of two. |",
+        "| `mode` | `\"gemm\"` | How. |",
+    ]
+    assert config_field_defaults(source) == {name: default for name, default, _ in config_field_docs(source)}
+    markdown = "# x\n\n## Settings\n\nText.\n\n" + "\n".join(table) + "\n\nAfter.\n\n## Next\n\n| other |\n"
+    assert readme_settings_table(markdown) == table

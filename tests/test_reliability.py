@@ -9,7 +9,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, Stoppin
 from conftest import build, chat, image, right_padded
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG, returned_cache
-from qwen3vl_static.modeling_qwen3vl_graph import _device_plan
+from qwen3vl_static.loops_qwen3vl_graph import device_plan
 from qwen3vl_static.presets import tiny_config
 
 MIXED_BATCH = (
@@ -50,10 +50,10 @@ def test_warpers_out_of_the_samplers_order_take_the_host_loop(tiny_pair):
 def test_device_plan_follows_the_warpers_order():
     config, criteria = GenerationConfig(do_sample=True), StoppingCriteriaList([MaxLengthCriteria(20)])
     warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8)]
-    plan = _device_plan(LogitsProcessorList(warpers), criteria, config)
+    plan = device_plan(LogitsProcessorList(warpers), criteria, config)
     assert (plan["temperature"], plan["top_k"], plan["top_p"]) == (0.7, 20, 0.8)
     for order in ([1, 0], [2, 0], [2, 1], [0, 0]):
-        assert _device_plan(LogitsProcessorList([warpers[i] for i in order]), criteria, config) is None, order
+        assert device_plan(LogitsProcessorList([warpers[i] for i in order]), criteria, config) is None, order
 
 
 def test_generate_inside_and_outside_inference_mode_in_any_order(tiny_pair):

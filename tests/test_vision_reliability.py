@@ -9,7 +9,6 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from conftest import build, chat, image
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.compat_qwen3vl_graph import vision_features
-from qwen3vl_static.kernels_qwen3vl_graph import TorchDecodeOps
 from qwen3vl_static.presets import tiny_config, tiny_config_dict
 from qwen3vl_static.vision_qwen3vl_graph import VisionRunner
 
@@ -75,13 +74,13 @@ def test_with_grad_enabled_the_tower_is_stock(pair, monkeypatch):
     ours, stock = pair
     model_inputs = build(ONE_IMAGE)
     ours.generate(**model_inputs, max_new_tokens=2, do_sample=False)
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
 
     def unexpected(*args, **kwargs):
         raise AssertionError("a runner path ran with grad enabled")
 
     monkeypatch.setattr(runner, "encode", unexpected)
-    monkeypatch.setattr(TorchDecodeOps, "vision_qkv_rope", staticmethod(unexpected))
+    monkeypatch.setattr(runner.ops, "vision_qkv_rope", unexpected)
     pixels, grid = model_inputs["pixel_values"], model_inputs["image_grid_thw"]
     got = vision_features(ours.model.visual(pixels, grid_thw=grid))
     expected = vision_features(stock.model.visual(pixels, grid_thw=grid))
@@ -95,7 +94,7 @@ def test_cached_vision_tables_hold_no_autograd_state(pair):
     """Tables computed with grad enabled are still plain tensors: a cached one never ties calls to one graph."""
     ours, _ = pair
     ours.static_cache()
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
     assert torch.is_grad_enabled()
     for tensor in runner.table((1, 4, 6)):
         assert not tensor.requires_grad and tensor.grad_fn is None
@@ -106,7 +105,7 @@ def test_vision_tables_follow_weight_updates(pair):
     `load_state_dict`)."""
     ours, _ = pair
     ours.static_cache()
-    runner = ours.model.visual.runner
+    runner = ours._engine.vision
     before = runner.table((1, 4, 6))[0]
     with torch.no_grad():
         ours.model.visual.pos_embed.weight.mul_(2)
@@ -120,10 +119,9 @@ def test_no_run_ahead_for_calls_with_videos(pair, monkeypatch):
     tables first, which stops it here before anything CUDA-only.)"""
     ours, _ = pair
     visual = ours.model.visual
-    runner = VisionRunner(
-        visual, ours._vision_mask, ours.config.patch_buckets(), 2, None, use_graphs=True, bucketed=True,
-        use_triton_kernels=False,
-    )
+    runner = VisionRunner(visual, ours.graph_engine().ops, ours.config.patch_buckets(), 2, None, use_graphs=True,
+                          bucketed=True)
+    runner.use_graphs = True  # graphs need CUDA; the bookkeeping does not
     runner.graphs[(16, False)] = SimpleNamespace(replay=lambda: None)
 
     class Started(Exception):

@@ -1,0 +1,108 @@
+"""What does one kernel boundary of the decode step cost, and would finer-grained waiting shorten it? (H200 probe.)
+
+The batch-1 step is ~250 dependent kernels. In its timeline small kernels (the merge, add + RMSNorm) take 2-3 µs
+each from their predecessor's end to their own, for a few KB of work. Timed here: a CUDA graph of CHAIN small
+kernels, each of PROGRAMS programs, each program reading a slice that other programs of the previous kernel wrote
+(a rotation of a 2048-float vector) and writing its own slice; µs per kernel:
+- "stream": plain launches (each kernel starts when the previous one has finished);
+- "pdl": programmatic dependent launch as the decode kernels use it (`griddepcontrol.wait`, then release the next);
+- "flag": launched as "pdl", but instead of waiting for the whole previous grid to finish (and flush), each program
+  spins on a counter the previous kernel's programs increment after their stores (release / acquire), then
+  releases the next kernel;
+- "flag-release-first": the same, releasing the next kernel before spinning.
+The result is checked against torch (`max_error`). Run: python bench/probes/boundary_probe.py
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit("boundary_probe.py needs a CUDA device.")
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+N, SHIFT, CHAIN = 2048, 1031, 252
+
+
+@triton.jit
+def step_kernel(src, dst, flag_in, flag_out, expected, n, shift, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    # MODE 0: stream order; 1: PDL wait then release; 2: spin on flag_in, then release; 3: release, then spin.
+    if MODE == 1:
+        gdc_wait()
+        gdc_launch_dependents()
+    if MODE == 3:
+        gdc_launch_dependents()
+    if MODE >= 2:
+        count = tl.atomic_add(flag_in, 0, sem="acquire")
+        spins = 0
+        while (count < expected) & (spins < 1048576):  # bounded: a wrong count shows as an error, not a hang
+            count = tl.atomic_add(flag_in, 0, sem="acquire")
+            spins += 1
+    if MODE == 2:
+        gdc_launch_dependents()
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = cols < n
+    value = tl.load(src + (cols + shift) % n, mask=keep, other=0.0, cache_modifier=".cg")
+    tl.store(dst + cols, value + 1.0, mask=keep)
+    if MODE >= 2:
+        tl.debug_barrier()  # every thread's stores before the release
+        tl.atomic_add(flag_out, 1, sem="release")
+
+
+def run(mode, programs):
+    block = triton.next_power_of_2(triton.cdiv(N, programs))
+    grid = (triton.cdiv(N, block),)
+    start_vector = torch.randn(N, device="cuda")
+    buffers = [torch.empty(N, device="cuda") for _ in range(2)]
+    flags = torch.zeros(CHAIN + 1, dtype=torch.int32, device="cuda")
+    pdl = {"launch_pdl": True} if mode else {}
+
+    def chain():
+        flags.zero_()
+        flags[1:2].fill_(grid[0])  # the first kernel (plain launch) signals nothing; the second starts after it finishes
+        buffers[0].copy_(start_vector)
+        for index in range(CHAIN):
+            src, dst = buffers[index % 2], buffers[(index + 1) % 2]
+            # The first kernel follows torch kernels, which release nothing: it waits in stream order.
+            kernel_mode = mode if index else 0
+            step_kernel[grid](src, dst, flags[index:], flags[index + 1:], grid[0], N, SHIFT, MODE=kernel_mode,
+                              BLOCK=block, **(pdl if index else {}))
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    expected = torch.roll(start_vector, -SHIFT * CHAIN) + CHAIN
+    error = (buffers[CHAIN % 2] - expected).abs().max().item()
+    return {"us_per_kernel": 1000 * start.elapsed_time(end) / reps / CHAIN, "max_error": error, "programs": grid[0]}
+
+
+results = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
+           "chain": CHAIN, "rows": {}}
+for programs in (1, 16, 128):
+    for name, mode in (("stream", 0), ("pdl", 1), ("flag", 2), ("flag-release-first", 3)):
+        try:
+            row = run(mode, programs)
+        except Exception as error:  # noqa: BLE001 - a probe reports what failed
+            row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        results["rows"][f"{programs} programs/{name}"] = row
+        print(programs, name, row, flush=True)
+out = os.environ.get("OUT", "bench/results")
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "boundary-probe.json"), "w") as handle:
+    json.dump(results, handle, indent=1)

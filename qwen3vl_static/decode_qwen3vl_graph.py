@@ -1,0 +1,221 @@
+"""The decode runner: one language-model step on static buffers, captured as CUDA graphs and replayed.
+
+The runner owns every tensor a decode step touches: token ids `(B, 1)`, M-RoPE positions `(3, B, 1)`,
+per-row cache lengths `(B,)`, a per-row "attendable slot" mask `(B, slots)` that is False on left padding,
+the sampling parameters and EOS flags. Shapes are fixed at the model's `max_batch_size`, so a step for `b`
+rows uses the first rows of each buffer; a graph of a larger batch bucket carries dummy rows whose data
+keeps them inert (token 0, position 0, one attendable slot, their own cache rows). Positions, cache lengths,
+EOS flags and the next input token all advance on the device inside the step, so consecutive replays need
+no host work at all; the host reads the chunk's tokens once per `steps_per_sync` steps.
+
+Graphs are keyed by (batch bucket, KV-length bucket, mode) and share the model's one memory pool. Modes: "logits"
+returns float32 logits (for loops that post-process them on the host), "greedy" and "sample" pick the
+next token inside the graph.
+"""
+
+import torch
+
+from .decoder_qwen3vl_graph import decoder_layers
+from .loops_qwen3vl_graph import MAX_EOS_IDS, sample_tokens
+from .runner_qwen3vl_graph import GraphRunner, bucket_of
+
+MODES = ("logits", "greedy", "sample")
+
+
+class DecodeRunner(GraphRunner):
+    def __init__(self, text, cache, ops, rotary_components, batch_buckets, cache_buckets, steps_per_sync: int, capturer,
+                 use_graphs: bool):
+        device = cache.full_keys[0].device
+        super().__init__(capturer, use_graphs, can_use_graphs=device.type == "cuda")
+        self.text = text  # TextWeights
+        self.cache = cache
+        self.ops = ops
+        self.rotary_components = rotary_components  # `ops.rotary_components` of the text rotary embedding
+        self.batch_buckets = batch_buckets
+        self.cache_buckets = cache_buckets
+        rows, slots = cache.rows, cache.capacity
+        vocab = text.lm_head.shape[0]
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(rows, 1)
+        self.positions = zeros(3, rows, 1)
+        self.cache_lens = zeros(rows)
+        self.row_ids = torch.arange(rows, device=device)  # each row writes its own cache row
+        self.attendable = torch.ones(rows, slots, dtype=torch.bool, device=device)
+        self.logits = zeros(rows, vocab, dtype=torch.float32)
+        self.temperature = torch.ones(rows, device=device)
+        self.top_k = torch.full((rows,), vocab, dtype=torch.long, device=device)
+        self.top_p = torch.full((rows,), float("inf"), device=device)
+        self.eos_ids = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=device)
+        self.pad_id = zeros(())
+        self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+        self.steps_per_sync = steps_per_sync
+        self.out_tokens = zeros(rows, steps_per_sync)
+        self.out_unfinished = torch.zeros(rows, steps_per_sync, dtype=torch.bool, device=device)
+        self.chunk_step = zeros(1)
+        self.batch_size = 0
+        self.length = 0  # slots filled in every real row (rows advance in lockstep)
+
+    # -- request state -------------------------------------------------------------------------------------
+
+    def start(self, positions, attention_mask, prompt_len: int) -> None:
+        """Load the state after prefill: the first generated token's M-RoPE positions `(3, b, 1)` and the prompt's
+        2D padding mask."""
+        batch = positions.shape[1]
+        self.batch_size, self.length = batch, prompt_len
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.positions[:, :batch] = positions
+        self.cache_lens.zero_()
+        self.cache_lens[:batch] = prompt_len
+        self.attendable.fill_(True)
+        if attention_mask is not None:
+            self.attendable[:batch, :prompt_len] = attention_mask.bool()
+
+    def set_sampling(self, temperature: float, top_k: int | None, top_p: float | None, eos_ids, pad_id) -> None:
+        """Sampling parameters and EOS ids of the request (None disables top-k / top-p). Every row starts
+        finished; the caller marks the real rows unfinished after its first token."""
+        self.temperature.fill_(temperature)
+        self.top_k.fill_(self.logits.shape[1] if top_k is None else top_k)
+        self.top_p.fill_(float("inf") if top_p is None else top_p)
+        self.eos_ids.fill_(-1)
+        self.eos_ids[: len(eos_ids)] = torch.tensor(eos_ids, dtype=torch.long)
+        self.pad_id.fill_(0 if pad_id is None else int(pad_id))
+        self.unfinished.fill_(False)
+
+    # -- stepping ------------------------------------------------------------------------------------------
+
+    def logits_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row, return the next-token float32 logits `(b, vocab)`."""
+        self.input_ids[: self.batch_size, 0] = tokens
+        self._advance("logits", 1)
+        return self.logits[: self.batch_size]
+
+    def issue(self, steps: int, mode: str):
+        """Queue `steps` (<= steps_per_sync) steps that continue from the current input tokens (each step feeds its
+        token to the next) and the copy of their tokens and flags to the host; returns a handle for `collect`. The
+        host does not wait: it can queue the next chunk while the GPU runs this one."""
+        self.chunk_step.zero_()
+        self._advance(mode, steps)
+        batch = self.batch_size
+        tokens, unfinished = self.out_tokens[:batch, :steps], self.out_unfinished[:batch, :steps]
+        if not tokens.is_cuda:  # a copy: the buffers are overwritten by the next chunk
+            return tokens.clone(), unfinished.clone(), None
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens, unfinished)]
+        for target, source in zip(host, (tokens, unfinished)):
+            target.copy_(source, non_blocking=True)  # queued before the next chunk's steps overwrite the source
+        copied = torch.cuda.Event()
+        copied.record()
+        return *host, copied
+
+    @staticmethod
+    def collect(handle):
+        """Wait for an issued chunk; its tokens and unfinished flags on the host, `(b, steps)` each."""
+        tokens, unfinished, copied = handle
+        if copied is not None:
+            copied.synchronize()
+        return tokens, unfinished
+
+    def _advance(self, mode: str, steps: int) -> None:
+        rows = bucket_of(self.batch_buckets, self.batch_size)
+        kv_len = bucket_of(self.cache_buckets, self.length + steps)
+        self.execute((rows, kv_len, mode), steps)
+        self.length += steps
+
+    def step(self, rows: int, kv_len: int, mode: str) -> None:
+        """One decode step over the first `rows` rows, attending to the first `kv_len` cache slots."""
+        logits = self.forward(rows, kv_len)
+        cache_lens, positions = self.cache_lens[:rows], self.positions[:, :rows]
+        if mode == "logits":
+            self.logits[:rows] = logits
+            self.ops.advance(cache_lens, positions)
+            return
+        tokens = None  # greedy: the argmax, inside finish_step
+        if mode == "sample":
+            tokens = sample_tokens(logits.float(), self.temperature[:rows], self.top_k[:rows], self.top_p[:rows])
+        self.ops.finish_step(logits, tokens, self.unfinished[:rows], self.pad_id, self.eos_ids, self.input_ids[:rows],
+                             self.out_tokens[:rows], self.out_unfinished[:rows], self.chunk_step, cache_lens, positions)
+
+    def forward(self, rows: int, kv_len: int) -> torch.Tensor:
+        """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row. (The step's end
+        advances the rows' lengths and positions: `step`.)"""
+        ops, text = self.ops, self.text
+        positions, cache_lens = self.positions[:, :rows], self.cache_lens[:rows]
+        hidden, x = ops.embed_rms_norm(self.input_ids[:rows, 0], text.embed, *text.first_norm)
+        rotary = ops.decode_rotary(text.rotary_emb, hidden, positions, self.rotary_components)  # shared by all layers
+        context = ops.attention_context(self.attendable[:rows], self.row_ids[:rows], cache_lens, kv_len, hidden.dtype)
+
+        def attend(layer, keys, values, x):
+            return ops.decode_attention(x, layer.qkv, layer.heads, layer.qk_norms, rotary, keys, values, cache_lens,
+                                        context, kv_len, layer.scaling)
+
+        x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend)
+        return ops.linear(x, text.lm_head)
+
+    # -- CUDA graphs ---------------------------------------------------------------------------------------
+
+    def state(self) -> tuple:
+        return self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step
+
+    def describe(self, key) -> str:
+        rows, kv_len, mode = key
+        return f"decode ({rows} rows x {kv_len} cache slots, {mode})"
+
+    def settle_near_ties(self, rows: int, kv_len: int, mode: str) -> None:
+        """Settle the measured choices of the step for `rows` rows whose candidates timed alone nearly tie
+        (the tuner's `near_ties`) by timing the whole step's graph with each of them, one choice after another (`warmup` does
+        this before capturing a batch size's graphs; graphs captured before keep their choices)."""
+        step, state = self.graph_step((rows, kv_len, mode))
+        with self.capturer.restoring(state):
+            step()  # measures the step's choices alone first
+        tuner = self.ops.tuner
+        # Latest measured first: a choice whose candidate runs another measured op (the separate forms) was measured
+        # after it, and settling it first decides whether the inner choice runs in the step at all.
+        for key, indices in reversed(tuner.near_ties(self.input_ids.device, rows).items()):
+            per_step = [None] * len(tuner.timings[key])
+            for index in indices:
+                tuner.choices[key] = index
+                graph = self.capturer.capture(step, state, name=f"decode ({rows} rows, {key[0]} candidate {index})")
+                per_step[index] = self.replay_ms(graph, state)
+            tuner.step_timings[key] = per_step
+            tuner.choices[key] = min((ms, index) for index, ms in enumerate(per_step) if ms is not None)[1]
+
+    def replay_ms(self, graph, state, chunks: int = 3) -> float:
+        """Milliseconds per replay of a step graph, the fastest of `chunks` chunks of `steps_per_sync` replays back to
+        back; `state` (what the step advances) is restored afterwards."""
+        best = float("inf")
+        with self.capturer.restoring(state):
+            for _ in range(chunks):
+                self.chunk_step.zero_()  # a chunk's steps record their tokens in its `steps_per_sync` columns
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(self.steps_per_sync):
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / self.steps_per_sync)
+        return best
+
+    def warmup_keys(self, batch_sizes, cache_lengths, modes) -> list:
+        """The (batch bucket, KV bucket, mode) graphs covering these sizes, largest first (later graphs then fit
+        in the memory the pool already holds), after checking the sizes fit."""
+        if set(modes) - set(MODES):
+            raise ValueError(f"warmup modes must be among {MODES}, got {list(modes)}")
+        if max(batch_sizes) > self.batch_buckets[-1] or max(cache_lengths) > self.cache_buckets[-1]:
+            raise ValueError(
+                f"warmup sizes exceed the cache: batch sizes {list(batch_sizes)} (max_batch_size="
+                f"{self.batch_buckets[-1]}), cache lengths {list(cache_lengths)} (static_cache_len={self.cache_buckets[-1]})"
+            )
+        keys = {(bucket_of(self.batch_buckets, b), bucket_of(self.cache_buckets, n), mode)
+                for b in batch_sizes for n in cache_lengths for mode in modes}
+        return sorted(keys, reverse=True)
+
+    def idle(self) -> None:
+        """A dummy request for warm-up steps: every row finished, one slot, nothing read beyond it."""
+        self.batch_size, self.length = 0, 0
+        self.cache_lens.zero_()
+        self.positions.zero_()
+        self.attendable.fill_(True)
+        self.unfinished.fill_(False)

@@ -1,0 +1,60 @@
+"""GraphRunner: what the decode, prefill and vision runners share.
+
+A runner computes one kind of step on static buffers. Each step shape it supports is a key (a tuple of bucketed
+sizes and flags); `execute(key)` replays that key's CUDA graph, capturing it on first use, or runs the same step eagerly
+when graphs are off, on the same padded shapes, so the two give the same numbers. Subclasses define `step(*key)`,
+`describe(key)`, `state()` (the tensors a step advances, restored after warm-up runs) and `warmup_keys(...)`.
+"""
+
+import bisect
+
+
+def bucket_of(buckets: list[int], size: int) -> int | None:
+    """The smallest of the sorted `buckets` that holds `size`, or None when none does."""
+    index = bisect.bisect_left(buckets, size)
+    return buckets[index] if index < len(buckets) else None
+
+
+class GraphRunner:
+    def __init__(self, capturer, use_graphs: bool, can_use_graphs: bool):
+        self.capturer = capturer  # the model's one GraphCapturer: one memory pool, one side stream
+        self.can_use_graphs = can_use_graphs
+        self.use_graphs = use_graphs and can_use_graphs
+        self.graphs = {}
+
+    def step(self, *key) -> None:
+        raise NotImplementedError
+
+    def describe(self, key) -> str:
+        """The graph's name in capture logs."""
+        raise NotImplementedError
+
+    def state(self) -> tuple:
+        """The request state a step advances: none unless a subclass says so (it writes its outputs only)."""
+        return ()
+
+    def graph_step(self, key):
+        """The step a graph of `key` captures, and the state its runs advance (which the capturer restores)."""
+        return (lambda: self.step(*key)), self.state()
+
+    def graph(self, key):
+        """The captured graph of `key`, captured now if it is new."""
+        return self.graphs.get(key) or self.capture(key)
+
+    def capture(self, key):
+        graph = self.capturer.capture(*self.graph_step(key), name=self.describe(key))
+        self.graphs[key] = graph
+        return graph
+
+    def execute(self, key, times: int = 1) -> None:
+        """The step of `key`, `times` times in a row: graph replays, or eager steps when graphs are off."""
+        if self.use_graphs:
+            graph = self.graph(key)
+            for _ in range(times):
+                graph.replay()
+        else:
+            for _ in range(times):
+                self.step(*key)
+
+    def idle(self) -> None:
+        """Inputs for warm-up steps that stay in bounds for every key (nothing by default)."""
