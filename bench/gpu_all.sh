@@ -13,7 +13,7 @@ python3 -c "import torch, transformers, triton; print('torch', torch.__version__
 bench_args=("$@")
 # Native kernel checks first: if a kernel is wrong here, benchmark the torch ops instead of wrong kernels.
 echo "== kernel tests $(date +%T)" | tee -a "$log"
-python3 -m pytest tests/test_kernels.py -q -p no:cacheprovider 2>&1 | tee -a "$log" || bench_args+=(--torch-ops)
+python3 -m pytest tests/test_ops_*.py tests/test_tuner.py -q -p no:cacheprovider 2>&1 | tee -a "$log" || bench_args+=(--torch-ops)
 for probe in ${PROBES:-}; do
   echo "== $probe probe $(date +%T)" | tee -a "$log"
   OUT="$out" python3 "bench/probes/${probe}_probe.py" 2>&1 | tee -a "$log"

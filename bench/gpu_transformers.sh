@@ -16,4 +16,4 @@ log="$out/transformers$release.log"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" ".whl/$release"/*.whl || exit 1
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import transformers; print('transformers', transformers.__version__)" | tee "$log"
-python3 -m pytest tests/test_cuda.py tests/test_kernels.py -q -s -p no:cacheprovider 2>&1 | tee -a "$log"
+python3 -m pytest tests/test_cuda.py tests/test_ops_*.py tests/test_tuner.py -q -s -p no:cacheprovider 2>&1 | tee -a "$log"

@@ -24,14 +24,14 @@ if torch.cuda.is_available():
     model.generation_config.eos_token_id = None  # random weights: generate exactly max_new_tokens
     # Each (batch size, cache length) is rounded up to its bucket; "greedy" and "sample" graphs by default.
     seconds = model.warmup(batch_sizes=[1, 4], cache_lengths=[512, 1024, 2048])
-    captured = len(model._runner.graphs)
+    captured = len(model.graph_engine().decode.graphs)
     print(f"captured {captured} decode graphs in {seconds:.2f} s")
     input_ids = torch.randint(0, 150000, (4, 300), device="cuda")
     began = time.perf_counter()
     out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=128, do_sample=False)
     torch.cuda.synchronize()
     print(f"generated {out.shape[0]} x {out.shape[1] - 300} tokens in {time.perf_counter() - began:.2f} s "
-          f"(prefill included); captured during generate: {len(model._runner.graphs) - captured}")
+          f"(prefill included); captured during generate: {len(model.graph_engine().decode.graphs) - captured}")
 else:
     print("No CUDA device: CUDA graphs need one, so warmup() has nothing to capture; the tiny model shows the calls.")
     model = Qwen3VLGraphForConditionalGeneration(tiny_config(max_batch_size=4, static_cache_len=2048)).eval()

@@ -6,71 +6,20 @@ number comes from tokens really generated: decode ms/step is the slope between t
 the same number of tokens.
 """
 
-import cProfile
 import json
 import platform
-import pstats
 import sys
 import time
-from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from .compat_qwen3vl_graph import CACHE_KWARG, TAKES_MM_TOKEN_TYPE_IDS, returned_cache
-from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
-from .presets import REAL_2B_DIR, real_2b_config
+from .compat_qwen3vl_graph import CACHE_KWARG, returned_cache
+from .workloads import build_models, image_prompt, second_turn, text_prompt
 
 SHORT, LONG = 16, 80  # decode lengths whose time difference gives ms/step
-
-
-def build_models(device, dtype, **settings):
-    """Ours (with these config settings) and the stock class over one set of weights (the stock model borrows
-    our tensors)."""
-    config = real_2b_config(**settings)
-    torch.manual_seed(0)
-    with torch.device(device):
-        ours = Qwen3VLGraphForConditionalGeneration._from_config(config, dtype=dtype).eval()
-        stock_config = Qwen3VLConfig(**{k: v for k, v in json.loads((REAL_2B_DIR / "config.json").read_text()).items() if k != "model_type"})
-        # Built on the device (not meta) so its non-persistent buffers (rotary tables) exist; then it borrows
-        # our parameters and its own random ones are freed.
-        stock = Qwen3VLForConditionalGeneration._from_config(stock_config, dtype=dtype).eval()
-    ours.static_cache()  # fuses the projection weights first, so the stock model borrows the fused views
-    stock.load_state_dict(ours.state_dict(), assign=True)
-    stock.tie_weights()
-    for model in (ours, stock):  # random weights: no EOS, so every system generates exactly what was asked
-        model.generation_config.eos_token_id = None
-        model.generation_config.do_sample = False
-    return ours, stock
-
-
-def text_prompt(config, batch, length, device, generator):
-    ids = torch.randint(0, 150000, (batch, length), generator=generator).to(device)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-def image_prompt(config, device, generator, sides=(448,), question=30):
-    """Square images of these sides + a `question`-token text, laid out as Qwen3VLProcessor lays them out."""
-    vision = config.vision_config
-    grids = [side // vision.patch_size for side in sides]
-    parts = []
-    for grid in grids:
-        tokens = grid * grid // vision.spatial_merge_size**2
-        parts += [torch.tensor([config.vision_start_token_id]), torch.full((tokens,), config.image_token_id),
-                  torch.tensor([config.vision_end_token_id])]
-    ids = torch.cat(parts + [torch.randint(0, 150000, (question,), generator=generator)])[None]
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    patches = sum(grid * grid for grid in grids)
-    return {
-        "input_ids": ids.to(device),
-        "attention_mask": torch.ones_like(ids).to(device),
-        **({"mm_token_type_ids": (ids == config.image_token_id).int().to(device)} if TAKES_MM_TOKEN_TYPE_IDS else {}),
-        "pixel_values": torch.randn(patches, patch_dim, generator=generator).to(device),
-        "image_grid_thw": torch.tensor([[1, grid, grid] for grid in grids], device=device),
-    }
 
 
 def timed_generate(model, prompt, new_tokens, **kwargs):
@@ -82,20 +31,6 @@ def timed_generate(model, prompt, new_tokens, **kwargs):
     generated = out.shape[1] - prompt["input_ids"].shape[1]
     assert generated == new_tokens, f"asked for {new_tokens} tokens, got {generated}"
     return out, seconds
-
-
-def second_turn(model, image, generator, answer=128, question=30):
-    """A chat's second turn after the first turn's `image` prompt and `answer` tokens: `(first turn's output, resumed
-    inputs, fresh inputs)`. Resumed: a `question`-token user turn after the first turn's sequences, to pass with the
-    returned cache (the image's pixels are in the cache). Fresh: the same prompt with the pixels, for a new request."""
-    first = model.generate(**image, max_new_tokens=answer, do_sample=False, return_dict_in_generate=True)
-    device = image["input_ids"].device
-    ids = torch.cat([first.sequences, torch.randint(0, 150000, (1, question), generator=generator).to(device)], dim=1)
-    resumed = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if TAKES_MM_TOKEN_TYPE_IDS:  # 5.x places the cached image's tokens by their type ids and grid
-        resumed.update(mm_token_type_ids=(ids == model.config.image_token_id).int(), image_grid_thw=image["image_grid_thw"])
-    fresh = {**resumed, "pixel_values": image["pixel_values"], "image_grid_thw": image["image_grid_thw"]}
-    return first, resumed, fresh
 
 
 def second_turn_ttft(model, image, generator, repeats=5) -> dict:
@@ -155,44 +90,6 @@ def best_ms(call, repeats=5) -> float:
     return 1000 * min(times)
 
 
-@contextmanager
-def instrumented(stages: dict):
-    """Wrap methods `{name: (owner, attribute)}` for the duration: each call's synchronized wall time is added up
-    under `times[name]` (ms) and its arguments kept as `arguments[name]`."""
-    times, arguments = {}, {}
-    for name, (owner, attribute) in stages.items():
-        def timed(*args, _call=getattr(owner, attribute), _name=name, **kwargs):
-            torch.cuda.synchronize()
-            began = time.perf_counter()
-            result = _call(*args, **kwargs)
-            torch.cuda.synchronize()
-            times[_name] = times.get(_name, 0.0) + 1000 * (time.perf_counter() - began)
-            arguments[_name] = (args, kwargs)
-            return result
-
-        setattr(owner, attribute, timed)  # an instance attribute over the method, removed below
-    try:
-        yield times, arguments
-    finally:
-        for owner, attribute in stages.values():
-            delattr(owner, attribute)
-
-
-def generate_stages(model) -> dict:
-    """The parts of a `generate` call that TTFT is split into."""
-    return {"vision_ms": (model.model.visual.runner, "encode"), "prefill_ms": (model._prefill_runner, "run"),
-            "rope_index_ms": (model.model, "get_rope_index")}
-
-
-def host_profile(call, top=20) -> dict:
-    """Host (Python) time of one `call()` by function, the `top` largest by own time, in ms."""
-    profiler = cProfile.Profile()
-    profiler.runcall(call)
-    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
-    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
-    return {f"{Path(file).name}:{line}({name}) x{calls}": round(1000 * own, 3) for (file, line, name), (calls, _, own, _, _) in rows}
-
-
 def replay_times(graph, name) -> dict:
     """Host time of one `graph.replay()` call (the launch) and the GPU time of the replay, in ms (fastest of 5)."""
     if graph is None:
@@ -212,82 +109,23 @@ def replay_times(graph, name) -> dict:
 
 
 def ttft_breakdown(ours, stock, prompts) -> list:
-    """Per image prompt: TTFT (`max_new_tokens=1`) of ours and stock, and where ours spends it; the vision tower
-    alone for ours (graphs; eager at exact size; Conv3d patch embedding) and stock."""
+    """Per image prompt: TTFT (`max_new_tokens=1`) of ours and stock, and the vision tower alone (ours: graph replay
+    and the whole call; stock). Where ours spends its TTFT, stage by stage: bench/probes/ttft_probe.py."""
     rows = []
-    runner = ours.model.visual.runner
+    engine = ours.graph_engine()
     for name, prompt in prompts.items():
         pixels, grid = prompt["pixel_values"].to(torch.bfloat16), prompt["image_grid_thw"]
         row = {"image": name, "patches": pixels.shape[0], "prompt_tokens": prompt["input_ids"].shape[1],
-               "vision_graph": runner.shape(pixels.shape[0], int(grid[:, 0].sum())),  # (patches computed, masked)
-               "prefill_bucket": ours._prefill_runner.bucket(1, prompt["input_ids"].shape[1])}
+               "vision_graph": engine.vision.shape(pixels.shape[0], int(grid[:, 0].sum())),  # (patches computed, masked)
+               "prefill_bucket": engine.prefill.bucket(1, prompt["input_ids"].shape[1])}
         row["ttft_ms"] = best_ms(lambda: timed_generate(ours, prompt, 1))
-        runner.encode_ahead = lambda *args, **kwargs: None  # an instance attribute over the method
-        row["ttft_ms_tower_not_run_ahead"] = best_ms(lambda: timed_generate(ours, prompt, 1))
-        del runner.encode_ahead
-        with instrumented(generate_stages(ours)) as (spans, _):
-            total = best_ms(lambda: timed_generate(ours, prompt, 1), repeats=1)
-        spans = {key: value / 2 for key, value in spans.items()}  # best_ms made two calls
-        row.update(spans)
-        # generate's own host work, first token, syncs. The stages are synchronized: `vision_ms` is what is left of the
-        # tower when `encode` takes what `encode_ahead` queued as generate began.
-        row["other_ms"] = total - sum(spans.values())
         with torch.no_grad():
             row["vision_tower_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
-            row.update(replay_times(runner.graphs.get(row["vision_graph"]), "vision_graph"))
-            runner.bucketed = False
-            row["vision_tower_eager_exact_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
-            runner.bucketed = True
-            ours.model.visual.patch_embed.mode, saved = "conv3d", runner.graphs
-            runner.graphs = type(saved)()  # conv3d graphs of their own, dropped afterwards
-            row["vision_tower_conv3d_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
-            ours.model.visual.patch_embed.mode, runner.graphs = "gemm", saved
+            row.update(replay_times(engine.vision.graphs.get(row["vision_graph"]), "vision_graph"))
             row["stock_vision_tower_ms"] = best_ms(lambda: stock.model.visual(pixels, grid_thw=grid), repeats=3)
         row["stock_ttft_ms"] = best_ms(lambda: timed_generate(stock, prompt, 1), repeats=3)
         rows.append(row)
     return rows
-
-
-KERNEL_CLASSES = {
-    "gemv/gemm": ("gemv", "gemm", "xmma", "cutlass", "nvjet", "splitk", "skinny_matmul", "sum_splits", "qkv_norm_rope"),
-    "attention": ("attention", "fmha", "flash", "sdpa", "softmax", "merge"),
-    "indexing": ("index", "scatter", "gather"),
-    "argmax/sampling": ("argmax", "argmin", "sort", "exponential", "finish_step"),
-    "norm/rope/elementwise": ("elementwise", "vectorized", "reduce", "norm", "cat", "copy", "roll", "silu", "gelu"),
-}
-
-
-def kernel_profile(call, calls=1) -> dict:
-    """GPU time of `call()` per call, by kernel class and for the top kernels. Under programmatic dependent launch
-    a kernel starts before its predecessor ends and waits for it, so kernel times overlap: their sum ("gpu_ms_total")
-    can exceed the call's time, and a kernel's time includes its wait."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    by_class, by_kernel = {}, {}
-    for event in prof.key_averages():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        ms = event.device_time_total / 1000 / calls
-        kind = next((label for label, keys in KERNEL_CLASSES.items() if any(key in event.key.lower() for key in keys)), "other")
-        by_class[kind] = by_class.get(kind, 0.0) + ms
-        by_kernel[f"{event.key[:90]} (x{event.count // calls})"] = ms
-    top = dict(sorted(by_kernel.items(), key=lambda item: -item[1])[:15])
-    return {"gpu_ms_total": sum(by_class.values()), "ms_by_class": by_class, "top_kernels_ms": top}
-
-
-def kernel_breakdown(model, image) -> dict:
-    """Where the GPU time goes: one greedy decode step (batch 1), and the vision tower and prefill of `image`."""
-    runner = model._runner
-    steps = runner.steps_per_sync
-    decode = kernel_profile(lambda: runner.token_steps(runner.input_ids[:1, 0].clone(), steps, "greedy"), steps)
-    with instrumented(generate_stages(model)) as (_, arguments):  # the runners' arguments in a real call
-        timed_generate(model, image, 1)
-    with torch.no_grad():
-        profiles = {name: kernel_profile(lambda: getattr(owner, attribute)(*arguments[f"{name}_ms"][0]))
-                    for name, (owner, attribute) in (("vision", (model.model.visual.runner, "encode")),
-                                                     ("prefill", (model._prefill_runner, "run")))}
-    return {"decode_step_batch1": decode, "vision_tower": profiles["vision"], "prefill": profiles["prefill"]}
 
 
 def run(args) -> dict:
@@ -313,13 +151,10 @@ def run(args) -> dict:
     results = measure("ours", ours, prompts, image)
     for row in results:
         row.update(warmup_s=warmup_s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
-    cache_gb = sum(t.numel() * t.element_size() for t in ours._static_cache.full_keys + ours._static_cache.full_values) / 2**30
-    buffers_gb = ours._runner.buffer_bytes() / 2**30
-    # Before the profiler runs: in one run TTFT measured after it took 10.1 ms, against 7.6 ms measured before it.
+    engine = ours.graph_engine()
+    cache_gb = sum(t.numel() * t.element_size() for t in engine.cache.full_keys + engine.cache.full_values) / 2**30
     ttft = ttft_breakdown(ours, stock, ttft_prompts)
     ttft_second_turn = second_turn_ttft(ours, image, generator)
-    breakdown = kernel_breakdown(ours, image)
-    ttft_host = host_profile(lambda: timed_generate(ours, image, 1))
 
     systems = [("hf_eager", {})]
     if args.with_compile:
@@ -355,26 +190,22 @@ def run(args) -> dict:
         "python": platform.python_version(),
         "date": date.today().isoformat(),
         "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]),
-        "graphs_captured": {"decode": len(ours._runner.graphs), "prefill": len(ours._prefill_runner.graphs),
-                            "vision": len(ours.model.visual.runner.graphs)},
-        "decode_ops": ours._runner.ops.__name__,
+        "graphs_captured": {"decode": len(engine.decode.graphs), "prefill": len(engine.prefill.graphs),
+                            "vision": len(engine.vision.graphs)},
+        "decode_ops": type(engine.ops).__name__,
         # Which form each decode op took (0: cuBLAS / separate kernels, then the fused candidates), its candidates'
         # microseconds timed alone and, for near ties, the whole step's milliseconds with each.
-        "measured_choices": {f"{op} {shape}": {"choice": ops.choices[key], "us": us, "step_ms": ops.step_timings.get(key)}
-                             for ops in [ours._runner.ops] for key, us in getattr(ops, "timings", {}).items()
-                             for op, shape, _ in [key]},
+        "measured_choices": {f"{op} {shape}": {"choice": tuner.choices[key], "us": us, "step_ms": tuner.step_timings.get(key)}
+                             for tuner in [engine.tuner] for key, us in tuner.timings.items() for op, shape, _ in [key]},
         "kv_cache_gb": cache_gb,
-        "static_buffers_gb": buffers_gb,
         "graph_pool_reserved_gb_after_warmup": graph_pool_gb,
         # Seconds of the warmup in its compile-ahead pass (compiling the Triton kernels, or loading them from
         # Triton's disk cache, plus one eager run of every step), in settling near-tied choices in the whole step and
         # in capturing. The compiling itself is the difference between a cold run (empty cache) and a warm one.
         "warmup_seconds": warmup_report,
         "graph_equals_eager_static_path": graph_equals_eager_static,
-        "gpu_profile": breakdown,
         "ttft_breakdown": ttft,
         "ttft_second_turn": ttft_second_turn,
-        "ttft_host_profile_448": ttft_host,
         "results": results,
     }
 
@@ -391,12 +222,9 @@ def report(summary, out_dir: Path) -> Path:
     print(" | ".join(columns))
     for row in summary["results"]:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns))
-    print("GPU profile (448x448 image prompt):", json.dumps(summary["gpu_profile"], indent=1))
     print("time to first token:", json.dumps(summary["ttft_breakdown"], indent=1))
     print("second turn:", json.dumps(summary["ttft_second_turn"], indent=1))
-    print("host time of one TTFT call (448x448), by function:", json.dumps(summary["ttft_host_profile_448"], indent=1))
-    print(f"kv cache {summary['kv_cache_gb']:.3f} GB, static buffers {summary['static_buffers_gb']:.3f} GB, "
-          f"graph pool after warmup {summary['graph_pool_reserved_gb_after_warmup']:.3f} GB")
+    print(f"kv cache {summary['kv_cache_gb']:.3f} GB, graph pool after warmup {summary['graph_pool_reserved_gb_after_warmup']:.3f} GB")
     print("warmup of ours, seconds:", {key: round(value, 3) for key, value in summary["warmup_seconds"].items()})
     print("graph == eager static path:", summary["graph_equals_eager_static_path"])
     out_dir.mkdir(parents=True, exist_ok=True)

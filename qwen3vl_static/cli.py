@@ -69,7 +69,7 @@ def _demo(args) -> int:
     from PIL import Image
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from .bench import build_models, image_prompt
+    from .workloads import build_models, image_prompt
     from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
     from .presets import tiny_config, tiny_config_dict, tiny_inputs, tiny_tokenizer
 

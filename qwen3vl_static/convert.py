@@ -289,8 +289,8 @@ The settings below can be changed when loading, e.g.
   neutralised by the attention mask.
 - `generate()`'s input preparation, logits processors and stopping criteria are transformers' own.
 
-Measured speed-ups depend on the GPU, batch size and lengths; the numbers live in the qwen3vl-static project's
-`bench/results`.
+Measured speed-ups depend on the GPU, batch size and lengths; the numbers, and how they are measured, live in the
+qwen3vl-static project's `bench/README.md`.
 
 ## Limitations
 

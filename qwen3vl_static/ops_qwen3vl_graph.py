@@ -1,8 +1,263 @@
-# TEMPORARY SHIM until the op split lands
-from .kernels_qwen3vl_graph import decode_ops
+"""The op sets the runners call: `TorchOps` (plain-torch references, the same math as the stock modules, runs
+everywhere, the CPU included) and `TritonOps` (fused Triton kernels on CUDA, and the measured compositions that pick
+among them). Both take and return the same tensors, so a runner picks one set (`make_ops`) and its step does not
+change. Triton is optional: without it (or without a GPU) the torch ops run.
+
+Each op lives in its own file, its Triton kernels, launcher and torch reference together; in the classes below a
+bare op name is that file's function. Compositions go through `self`, so `TritonOps` composes its own ops: the
+separate form of a fused op runs the measured `linear` and the kernels after it.
+"""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+from transformers.utils import logging
+
+from .ops_attention_qwen3vl_graph import (
+    attention_context,
+    attention_context_reference,
+    decode_attention,
+    decode_attention_reference,
+)
+from .ops_matmul_qwen3vl_graph import (
+    fused_qkv,
+    linear_gelu_tanh,
+    linear_gelu_tanh_reference,
+    linear_reference,
+    matmul_shape,
+    preload_config,
+    rule_config,
+    silu_mul,
+    silu_mul_reference,
+    skinny,
+    skinny_matmul,
+    split_configs,
+    stage_configs,
+)
+from .ops_norm_qwen3vl_graph import (
+    add_layer_norm,
+    add_layer_norm_reference,
+    add_rms_norm,
+    add_rms_norm_reference,
+    embed_rms_norm,
+    embed_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+from .ops_rotary_qwen3vl_graph import (
+    decode_rotary,
+    qk_norm_rope_write,
+    qk_norm_rope_write_reference,
+    rotary,
+    rotary_components,
+    rotary_reference,
+    vision_qkv_rope,
+    vision_qkv_rope_reference,
+)
+from .ops_step_end_qwen3vl_graph import advance, finish_step, finish_step_reference
+from .triton_qwen3vl_graph import compiling_ahead, triton
+from .tuner_qwen3vl_graph import KernelTuner
+
+logger = logging.get_logger(__name__)
 
 
-def make_ops(device, dtype, allow_triton, tuner):
-    ops = decode_ops(device, dtype, allow_triton)
-    ops.tuner = tuner
-    return ops
+class TorchOps:
+    """Reference decode, prefill and vision ops in plain torch (same math as the stock modules). `tuner` never
+    measures here (no op has candidates), so its `near_ties` are empty."""
+
+    def __init__(self, tuner: KernelTuner | None = None):
+        self.tuner = KernelTuner() if tuner is None else tuner
+
+    linear = staticmethod(linear_reference)
+    rotary = staticmethod(rotary_reference)
+    attention_context = staticmethod(attention_context_reference)
+    rms_norm = staticmethod(rms_norm_reference)
+    embed_rms_norm = staticmethod(embed_rms_norm_reference)
+    add_rms_norm = staticmethod(add_rms_norm_reference)
+    qk_norm_rope_write = staticmethod(qk_norm_rope_write_reference)
+    vision_qkv_rope = staticmethod(vision_qkv_rope_reference)
+    silu_mul = staticmethod(silu_mul_reference)
+    advance = staticmethod(advance)
+    finish_step = staticmethod(finish_step_reference)
+    add_layer_norm = staticmethod(add_layer_norm_reference)
+    linear_gelu_tanh = staticmethod(linear_gelu_tanh_reference)
+
+    def precompile(self, calls) -> None:
+        """Compile ahead what `calls` would launch: the torch ops have nothing to compile."""
+
+    def rotary_components(self, rotary_emb, device):
+        """What `decode_rotary` needs to compute a step's rotary tables itself: None, the torch ops take the stock
+        module's."""
+
+    def decode_rotary(self, rotary_emb, hidden, positions, components):
+        """The step's rotary tables for M-RoPE `positions` `(3, rows, 1)`, as `rotary` returns them."""
+        return self.rotary(*rotary_emb(hidden, positions))
+
+    def linear_add_rms_norm(self, x, weight, bias, hidden, norm_weight, eps):
+        """A projection into the residual stream, then the add and the RMSNorm that follow it: returns
+        `add_rms_norm(hidden, linear(x, weight, bias), norm_weight, eps)`."""
+        return self.add_rms_norm(hidden, self.linear(x, weight, bias), norm_weight, eps)
+
+    def qkv_norm_rope_write(self, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots):
+        """The fused QKV projection of `x` `(rows, hidden)`, then `qk_norm_rope_write` (`qk_norms`: q weight, k weight,
+        eps); returns q `(rows, Hq, D)`."""
+        qkv = self.linear(x, qkv_weight)
+        return self.qk_norm_rope_write(qkv, heads, *qk_norms, rotary, keys, values, cache_rows, cache_slots)
+
+    def decode_attention(self, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
+        """Attention of one new token per row from the layer's normed input `x`: the QKV projection, QK-norm and rotary
+        embedding, the new K/V written into the row's cache row at slot `cache_lens[row]` (row r's cache row is r),
+        then attention over the first `kv_len` slots; returns `(rows, Hq * D)`."""
+        mask, cache_rows = context
+        q = self.qkv_norm_rope_write(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_lens)
+        return decode_attention_reference(q, keys, values, mask, kv_len, scale)
+
+    def linear_swiglu(self, x, gate_up_weight):
+        """The fused gate/up projection, then SwiGLU: `silu_mul(x @ gate_up_weight.T)`, `(rows, I)`."""
+        return self.silu_mul(self.linear(x, gate_up_weight))
+
+
+class TritonOps(TorchOps):
+    """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output. The measured
+    choices are `tuner`'s; the counters of finished programs that some kernels use (`ticket`) are this set's."""
+
+    TICKETS = 256  # counters per device
+
+    def __init__(self, tuner: KernelTuner):
+        super().__init__(tuner)
+        self.tickets = {}  # device -> the counters `ticket` returns
+
+    rotary = staticmethod(rotary)
+    rotary_components = staticmethod(rotary_components)
+    attention_context = staticmethod(attention_context)
+    rms_norm = staticmethod(rms_norm)
+    embed_rms_norm = staticmethod(embed_rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    qk_norm_rope_write = staticmethod(qk_norm_rope_write)
+    vision_qkv_rope = staticmethod(vision_qkv_rope)
+    silu_mul = staticmethod(silu_mul)
+    add_layer_norm = staticmethod(add_layer_norm)
+    linear_gelu_tanh = staticmethod(linear_gelu_tanh)
+
+    def ticket(self, device, count=1) -> torch.Tensor:
+        """`count` of the device's counters of finished programs, for kernels whose last program (of all, or of each
+        group) finishes the job. Launches on one stream run in order and each leaves them at zero; created outside
+        graph capture by the first (measuring) run."""
+        if count > self.TICKETS:
+            raise ValueError(f"a launch can use at most {self.TICKETS} counters, not {count}")
+        if device not in self.tickets:
+            self.tickets[device] = torch.zeros(self.TICKETS, dtype=torch.int32, device=device)
+        return self.tickets[device][:count]
+
+    def linear(self, x, weight, bias=None):
+        """cuBLAS or the skinny Triton matmul, whichever measured faster on this device for these (M, N, K, dtype).
+        The skinny matmul runs at the rule's tiling with a 4- or a 6-stage pipeline: on an H200, 6 stages win for the
+        split projections (o_proj, down_proj, QKV) and 4 for gate/up. A bias (no Qwen3-VL checkpoint has one) keeps
+        cuBLAS, which adds it."""
+        if bias is not None or not skinny(x, weight):
+            return F.linear(x, weight, bias)
+        candidates = (lambda: F.linear(x, weight), *(lambda config=config: skinny_matmul(x, weight, config)
+                                                      for config in stage_configs(rule_config(weight))))
+        return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
+
+    def linear_swiglu(self, x, gate_up_weight):
+        """The gate/up projection then the SwiGLU kernel, or one skinny matmul with SwiGLU as its epilogue (4 or 6
+        stages): whichever measured fastest."""
+        def separate():
+            return super(TritonOps, self).linear_swiglu(x, gate_up_weight)
+
+        if not skinny(x, gate_up_weight):
+            return separate()
+        fused = [lambda config=config: skinny_matmul(x, gate_up_weight, config, swiglu=True)
+                 for config in stage_configs(rule_config(gate_up_weight, can_split=False))]
+        return self.tuner.measured("linear_swiglu", matmul_shape(x, gate_up_weight), x.device, (separate, *fused))
+
+    def linear_add_rms_norm(self, x, weight, bias, hidden, norm_weight, eps):
+        """Whichever measured fastest of: the projection then the add-and-norm kernel; the skinny matmul's partial
+        products, summed by the add-and-norm kernel (4 or 6 stages, or preloaded where it fits); one skinny matmul
+        whose last program adds and norms (at the rule's split of K, or half of it).
+
+        The preloaded form is always timed in the step too: there (o_proj after the merge, which releases it early) it
+        loads its weights during attention. On an H200 it is 0.011, 0.023 and 0.015 ms/step faster in the step at
+        batch 1, 4 and 8, and 10-11% slower alone."""
+        def separate():
+            return super(TritonOps, self).linear_add_rms_norm(x, weight, bias, hidden, norm_weight, eps)
+
+        if bias is not None or not skinny(x, weight):
+            return separate()
+        preload = preload_config(weight)
+        tilings = stage_configs(rule_config(weight)) + ((preload,) if preload else ())
+        summed_by_norm = [lambda config=config: self.add_rms_norm(hidden, skinny_matmul(x, weight, config, partials=True),
+                                                                  norm_weight, eps)
+                          for config in tilings]
+        fused = [lambda config=config: skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps),
+                                                     ticket=self.ticket(x.device))
+                 for config in split_configs(weight)]
+        return self.tuner.measured("linear_add_rms_norm", matmul_shape(x, weight), x.device,
+                                   (separate, *summed_by_norm, *fused), in_step=(len(tilings),) if preload else ())
+
+    def qkv_norm_rope_write(self, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots):
+        """Whichever measured fastest of: the QKV projection then the QK-norm/RoPE/write kernel; the skinny matmul's
+        partial products, summed by that kernel (4 or 6 stages); one launch of both (`fused_qkv`, at the rule's split
+        of K or half of it)."""
+        def separate():
+            return super(TritonOps, self).qkv_norm_rope_write(
+                x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots)
+
+        if not skinny(x, qkv_weight):
+            return separate()
+        summed_by_norm = [lambda config=config: self.qk_norm_rope_write(skinny_matmul(x, qkv_weight, config, partials=True),
+                                                                        heads, *qk_norms, rotary, keys, values, cache_rows,
+                                                                        cache_slots)
+                          for config in stage_configs(rule_config(qkv_weight))]
+        fused = [lambda config=config: fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows,
+                                                 cache_slots, config, self.ticket(x.device, heads + 2 * keys.shape[1]))
+                 for config in split_configs(qkv_weight)]
+        return self.tuner.measured("qkv_norm_rope_write", matmul_shape(x, qkv_weight), x.device,
+                                   (separate, *summed_by_norm, *fused))
+
+    def decode_attention(self, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
+        """`qkv_norm_rope_write`, then flash-decoding in two launches (`decode_attention` of the attention file)."""
+        attendable, cache_rows = context
+        q = self.qkv_norm_rope_write(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_lens)
+        return decode_attention(q, keys, values, cache_lens, attendable, kv_len, scale)
+
+    def decode_rotary(self, rotary_emb, hidden, positions, components):
+        """One launch for the dozen small kernels of the stock module, where `rotary_components` read them off it."""
+        if components is None:
+            return super().decode_rotary(rotary_emb, hidden, positions, components)
+        return decode_rotary(rotary_emb, hidden, positions, components)
+
+    def finish_step(self, logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished,
+                    chunk_step, cache_lens, positions):
+        """`finish_step` in one launch, lengths and positions advanced in it."""
+        finish_step(logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished, chunk_step,
+                    cache_lens, positions, self.ticket(logits.device))
+
+    def precompile(self, calls) -> None:
+        """Compile the kernels that `calls` (each runs steps eagerly, no arguments) launch, on a pool of threads,
+        before anything times or captures them: each launch only queues its kernel's compilation (outputs stay
+        unwritten) and each measured op runs all its candidates. Triton releases the GIL for most of a compilation, so
+        this takes a fraction of compiling kernel after kernel at first launch. Where it cannot (a Triton before 3.4,
+        without `AsyncCompileMode`; a failure), kernels compile at first launch as before."""
+        if not hasattr(triton, "AsyncCompileMode"):
+            return
+        try:
+            with compiling_ahead(), ThreadPoolExecutor(os.cpu_count() or 1) as pool, triton.AsyncCompileMode(pool):
+                for call in calls:
+                    call()
+        except Exception as error:  # noqa: BLE001 - the kernels still compile at first launch
+            logger.warning(f"Compiling the Triton kernels ahead failed ({error!r}); they compile at first launch instead.")
+
+
+def make_ops(device: torch.device, dtype: torch.dtype, allow_triton: bool, tuner: KernelTuner) -> TorchOps:
+    """The fused kernels where they run (CUDA, Triton, 16-bit weights; when allowed), else the torch reference; both
+    with `tuner` (the engine's measured choices).
+
+    Float32 models keep the torch ops: `tl.dot` would round float32 inputs to TF32.
+    """
+    if allow_triton and triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return TritonOps(tuner)
+    return TorchOps(tuner)

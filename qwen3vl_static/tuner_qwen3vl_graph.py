@@ -1,7 +1,117 @@
-# TEMPORARY SHIM until the op split lands
-class KernelTuner:
-    def __init__(self):
-        self.choices, self.timings, self.step_timings = {}, {}, {}
+"""`KernelTuner`: which of an op's candidate forms runs (cuBLAS or unfused kernels, a skinny matmul at some tiling, a
+fused epilogue), measured once per shape and device. Each engine owns one, so two models in a process never share
+choices unseen.
+"""
 
-    def near_ties(self, device, rows):
-        return {}
+import statistics
+
+import torch
+from transformers.utils import logging
+
+from .ops_matmul_qwen3vl_graph import silu_mul
+from .triton_qwen3vl_graph import compiling
+
+logger = logging.get_logger(__name__)
+
+
+class KernelTuner:
+    """The measured choices of one engine, and how they are measured.
+
+    `choices`: (op, shape description, device) -> index of the candidate that measured fastest; `timings`: the same
+    keys -> each candidate's microseconds (reported by the benchmark); `step_timings`: the keys settled in the whole
+    step (`near_ties`) -> each candidate's ms per step (None: not a near tie); `in_step`: the same keys -> candidates
+    timed in the step however they time alone (`measured`). Candidates timed alone within `near_tie` of the fastest
+    are timed again in the whole step.
+    """
+
+    # GPU cycles (~0.5 ms) of busy wait before each timed call: longer than the host takes to launch the call's kernels
+    # (0.1 ms is too short on an H200: with each kernel launched from the host, a slow host's launches reach the timings).
+    SPIN_CYCLES = 1_000_000
+
+    def __init__(self, near_tie: float = 1.10):
+        self.choices = {}
+        self.timings = {}
+        self.step_timings = {}
+        self.in_step = {}
+        self.near_tie = near_tie
+
+    def measured(self, op, shape, device, candidates, in_step=()):
+        """Run whichever of `candidates` (calls of no arguments, the first the cuBLAS / unfused one) measured fastest
+        for `op` on operands described by `shape` (a string: rows, sizes, dtype) on this device. `in_step`: indices of
+        candidates timed in the whole step however they time alone (`near_ties`).
+
+        Each shape is measured once, on first use: in the runner that is a warm-up step, which the graph capturer
+        runs twice on a side stream before capturing. Timing needs a sync, which capture forbids, so a shape first
+        met during capture runs the first candidate in that graph and is measured the next time it runs outside
+        capture. Off CUDA (the interpreter tests) the last (most fused) candidate always runs, so the CPU tests
+        take it through the whole decode loop.
+        """
+        if compiling():  # compiling ahead: every candidate's kernels, none timed
+            for candidate in candidates[:-1]:
+                candidate()
+            return candidates[-1]()
+        if device.type != "cuda":
+            return candidates[-1]()
+        key = (op, shape, device)
+        choice = self.choices.get(key)
+        if choice is None:
+            if torch.cuda.is_current_stream_capturing():
+                return candidates[0]()
+            times = self.timings[key] = self.time_calls(candidates)
+            self.in_step[key] = in_step
+            choice = self.choices[key] = times.index(min(times))
+            logger.info(f"{op} {shape}: " + ", ".join(f"candidate {index} {us:.1f} us" for index, us in enumerate(times))
+                        + f"; using {choice}")
+        return candidates[choice]()
+
+    def near_ties(self, device, rows) -> dict:
+        """The measured choices for `rows`-row operands on `device`, not yet settled in the step, whose candidates
+        timed alone came within `near_tie` of the fastest or are timed in the step anyway (`measured`'s `in_step`):
+        {key: those candidates' indices}, for two or more. Alone, a call misses how it overlaps its real neighbours
+        under PDL: on an H200 the fused QKV form is 0.16 µs slower alone and 0.017 ms/step faster in the step at
+        batch 1, 9% slower alone and 0.066 ms/step faster at batch 4, so the decode runner times the whole step."""
+        ties = {key: [index for index, us in enumerate(times)
+                      if us <= self.near_tie * min(times) or index in self.in_step.get(key, ())]
+                for key, times in self.timings.items()
+                if key[2] == device and key[1].startswith(f"{rows}x") and key not in self.step_timings}
+        return {key: indices for key, indices in ties.items() if len(indices) > 1}
+
+    def time_calls(self, candidates, reps=20) -> list:
+        """Median microseconds of each call (with its two neighbours, below), as in the decode graph: each call is
+        captured as a CUDA graph of its own (its kernels then follow each other as closely as in the step; launched
+        one by one from the host, a call of several kernels would also pay the gaps between launches), the GPU
+        replays it without waiting for the host (a spin kernel covers the launch) and reads the weights from HBM, as
+        the step does with weights far larger than L2 (reading twice L2's size first evicts it, leaving no dirty
+        lines to write back). In the step a call sits between other kernels, which under programmatic dependent
+        launch overlap its start and its end (Triton kernels do, cuBLAS does not): each graph puts the call between
+        two small Triton kernels, so that overlap counts.
+        Synchronizes the device: each capture does, and the timings are read at the end."""
+        device = torch.cuda.current_device()
+        neighbour = torch.randn(1, 2048, dtype=torch.bfloat16, device=device)  # the step's SwiGLU kernel, compiled
+
+        def between_neighbours(candidate):
+            silu_mul(neighbour)
+            candidate()
+            silu_mul(neighbour)
+
+        graphs = []
+        for candidate in candidates:
+            for _ in range(3):  # compiles the kernels, warms cuBLAS, measures the ops a candidate itself dispatches
+                between_neighbours(candidate)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                between_neighbours(candidate)
+            graphs.append(graph)
+        flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size // 2, dtype=torch.float32, device=device)
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+                  for _ in candidates]
+        for rep in range(reps):
+            for graph, pairs in zip(graphs, events):
+                flush.sum()
+                torch.cuda._sleep(self.SPIN_CYCLES)
+                start, end = pairs[rep]
+                start.record()
+                graph.replay()
+                end.record()
+        events[-1][-1][1].synchronize()
+        return [1000 * statistics.median(start.elapsed_time(end) for start, end in pairs) for pairs in events]

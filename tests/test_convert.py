@@ -24,7 +24,7 @@ from qwen3vl_static.convert import PROCESSOR_NAMES, convert, hub_module_files
 from qwen3vl_static.presets import tiny_inputs
 
 # Package files that stay home; every other module is needed by the custom code on the Hub.
-HOME_ONLY = {"__init__.py", "__main__.py", "cli.py", "convert.py", "presets.py"}
+HOME_ONLY = {"__init__.py", "__main__.py", "cli.py", "convert.py", "presets.py", "workloads.py"}
 PACKAGE = Path(qwen3vl_static.__file__).parent
 HUB_MODULES = {
     path.name for path in PACKAGE.glob("*.py") if path.name not in HOME_ONLY and not path.name.startswith("bench")
@@ -171,10 +171,11 @@ def test_convert_writes_a_custom_code_repo(src, dst):
     for usage in ("AutoModelForImageTextToText", "trust_remote_code=True", "AutoProcessor", ".generate(", ".warmup("):
         assert usage in readme
     assert all(f"`{field}`" in readme for field in inspect.get_annotations(Qwen3VLGraphConfig))
-    assert "bench/results" in readme
+    assert "bench/README.md" in readme
 
 
 # AutoModelForVision2Seq exists on transformers <= 4.57 only; converted repos name it for those users.
+@pytest.mark.slow  # a subprocess that imports torch and transformers
 @pytest.mark.parametrize("auto_class", ["AutoModelForImageTextToText", "AutoModelForVision2Seq"])
 def test_folder_loads_without_the_package(dst, prompt, expected_tokens, tmp_path, auto_class):
     if not hasattr(transformers, auto_class):
@@ -182,6 +183,7 @@ def test_folder_loads_without_the_package(dst, prompt, expected_tokens, tmp_path
     assert_loads_and_generates_like_stock(dst, prompt, expected_tokens, tmp_path, auto_class)
 
 
+@pytest.mark.slow  # a subprocess that imports torch and transformers
 def test_repo_id_loads_from_offline_hub_cache(dst, prompt, expected_tokens, tmp_path):
     add_to_hub_cache(tmp_path / "hub", "someone/tiny-qwen3-vl-graph", dst)
     assert_loads_and_generates_like_stock(
@@ -189,6 +191,7 @@ def test_repo_id_loads_from_offline_hub_cache(dst, prompt, expected_tokens, tmp_
     )
 
 
+@pytest.mark.slow  # a subprocess that imports torch and transformers
 def test_forgetting_trust_remote_code_fails(dst, tmp_path):
     # The model type is unknown to transformers, so this cannot fall back to the stock model silently.
     result = run_child(LOAD_WITHOUT_TRUST, [dst], tmp_path)
@@ -196,6 +199,7 @@ def test_forgetting_trust_remote_code_fails(dst, tmp_path):
     assert "trust_remote_code=True" in result.stderr
 
 
+@pytest.mark.slow  # a subprocess that imports torch and transformers
 def test_failed_push_leaves_a_complete_folder(src, dst, tmp_path):
     # Converting by repo id from the offline Hub cache works; the push cannot.
     add_to_hub_cache(tmp_path / "hub", "stock-org/tiny-qwen3-vl", src)

@@ -6,10 +6,12 @@ import threading
 import pytest
 import torch
 
-from qwen3vl_static.bench import build_models, image_prompt, second_turn, text_prompt
+from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.capture_qwen3vl_graph import GraphCapturer
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG, returned_cache, vision_features
-from qwen3vl_static.kernels_qwen3vl_graph import TorchDecodeOps
+from qwen3vl_static.ops_qwen3vl_graph import TorchOps, TritonOps
+from qwen3vl_static.presets import tiny_config
+from qwen3vl_static.workloads import build_models, image_prompt, second_turn, text_prompt
 
 pytestmark = pytest.mark.cuda
 
@@ -66,18 +68,18 @@ def test_near_tied_choices_are_settled_by_the_whole_step(models, monkeypatch):
     choice and keeps the fastest there; the graphs it captures still reproduce the eager path. (This warmup follows
     longer prompts: its prefill steps must not read at a previous prompt's last token, past their bucket.)"""
     ours, _ = models
-    ops = ours._engine.decode.ops
-    if not hasattr(ops, "step_timings"):
+    engine = ours.graph_engine()
+    if not isinstance(engine.ops, TritonOps):
         pytest.skip("the torch decode ops make no measured choices")
-    monkeypatch.setattr(ops, "NEAR_TIE", float("inf"))
-    ours.static_cache()
+    tuner = engine.tuner
+    monkeypatch.setattr(tuner, "near_tie", float("inf"))
     ours.warmup(batch_sizes=[2], cache_lengths=[300], modes=("greedy",), prompt_lengths=[100], image_patches=[])
     assert ours.warmup_report["settle"] > 0
-    settled = {key: per_step for key, per_step in ops.step_timings.items() if key[1].startswith("2x")}
-    assert settled and all(len(ops.timings[key]) > 1 for key in settled)
+    settled = {key: per_step for key, per_step in tuner.step_timings.items() if key[1].startswith("2x")}
+    assert settled and all(len(tuner.timings[key]) > 1 for key in settled)
     for key, per_step in settled.items():
-        assert None not in per_step and len(per_step) == len(ops.timings[key])
-        assert per_step[ops.choices[key]] == min(per_step)
+        assert None not in per_step and len(per_step) == len(tuner.timings[key])
+        assert per_step[tuner.choices[key]] == min(per_step)
     prompt = text_prompt(ours.config, 2, 100, "cuda", torch.Generator().manual_seed(3))
     assert generate(ours, prompt, 40).tolist() == generate(ours, prompt, 40, graphs=False).tolist()
 
@@ -104,7 +106,7 @@ def test_torch_ops_graph_equals_eager_and_stays_close_to_the_kernels(models):
     with_logits = dict(return_dict_in_generate=True, output_logits=True)
     kernels = generate(ours, prompt, 64, **with_logits)
     kernel_ops, kernel_graphs, kernel_capturer = runner.ops, runner.graphs, runner.capturer
-    runner.ops, runner.graphs, runner.capturer = TorchDecodeOps, {}, GraphCapturer()
+    runner.ops, runner.graphs, runner.capturer = TorchOps(), {}, GraphCapturer()
     try:
         graph = generate(ours, prompt, 64)
         assert graph.tolist() == generate(ours, prompt, 64, graphs=False).tolist()
@@ -116,7 +118,7 @@ def test_torch_ops_graph_equals_eager_and_stays_close_to_the_kernels(models):
     torch_logits, kernel_logits = (torch.stack(out.logits, dim=1).float().log_softmax(-1) for out in (forced, kernels))
     delta = (torch_logits - kernel_logits).abs().max().item()
     same = (torch_logits.argmax(-1) == kernel_logits.argmax(-1)).float().mean().item()
-    report = (f"decode ops {kernel_ops.__name__} vs TorchDecodeOps on the same tokens: max |delta log-prob| {delta:.4f}, "
+    report = (f"decode ops {type(kernel_ops).__name__} vs TorchOps on the same tokens: max |delta log-prob| {delta:.4f}, "
               f"top-1 agreement {same:.3f}")
     print(report)
     # The kernels stay within about 0.14 of the stock full-sequence forward (the teacher-forced test below) and stock's
@@ -359,3 +361,27 @@ def test_second_turn_with_the_returned_cache_graph_equals_eager(models):
         tokens[graphs] = generate(ours, resumed, 64, graphs=graphs, **{CACHE_KWARG: returned_cache(first)})
     assert tokens[True].tolist() == tokens[False].tolist()
     assert any(kv_slots != size for _, size, kv_slots, _ in ours._engine.prefill.graphs)
+
+
+def test_each_model_measures_its_own_kernel_choices():
+    """Measured kernel choices belong to a model's engine: a second model with the same shapes starts with none and
+    measures its own; changing one model's choice leaves the other's alone."""
+    def tiny_model():
+        torch.manual_seed(0)
+        config = tiny_config(max_batch_size=2, static_cache_len=256)
+        return Qwen3VLGraphForConditionalGeneration(config).to("cuda", torch.bfloat16).eval()
+
+    first, second = tiny_model(), tiny_model()
+    ids = torch.randint(0, first.config.text_config.vocab_size, (1, 20), device="cuda")
+    first.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    measured = first.graph_engine().tuner
+    if not isinstance(first.graph_engine().ops, TritonOps):
+        pytest.skip("the torch decode ops make no measured choices")
+    assert measured.choices and not second.graph_engine().tuner.choices
+    second.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    other = second.graph_engine().tuner
+    assert other is not measured and set(other.choices) == set(measured.choices)
+    key = next(iter(measured.choices))
+    before = other.choices[key]
+    measured.choices[key] = len(measured.timings[key]) - 1 - measured.choices[key]
+    assert other.choices[key] == before

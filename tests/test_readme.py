@@ -83,6 +83,7 @@ def test_usage_runs(usage, monkeypatch, capsys):
     assert capsys.readouterr().out.endswith("\n")
 
 
+@pytest.mark.slow  # a subprocess that imports torch and transformers
 def test_usage_runs_where_the_package_is_not_installed(usage, tmp_path):
     """As a user without this package runs it: the repo's own code, and no prompt to trust custom code for the
     processor (standard input is closed: a prompt would print, then count as a refusal). Without torchvision (as on

@@ -1,10 +1,10 @@
 """Do the decode step's matmuls run faster as the skinny Triton kernel than on cuBLAS? (H200 probe; numbers go to $OUT.)
 
 For each weight shape of Qwen3-VL-2B's decode step and 1, 2, 4, 8 rows (bf16): microseconds per call of F.linear and
-of `TritonDecodeOps.skinny_matmul` with the tiling its rule picks and with alternatives (is the rule right?). Timed as
+of `skinny_matmul` (ops_matmul_qwen3vl_graph.py) with the tiling its rule picks and with alternatives (is the rule right?). Timed as
 in the step: 28 calls over distinct weight copies (read from HBM, not L2) captured in one CUDA graph, replays timed
 with CUDA events; the Triton calls follow each other under programmatic dependent launch where the device has it.
-Also what `TritonDecodeOps.linear` measures and picks by itself on first use.
+Also what `TritonOps.linear`'s tuner measures and picks by itself on first use.
 Run: python bench/probes/gemv_probe.py (about half a minute, most of it compiling the tilings)
 """
 
@@ -21,7 +21,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     sys.exit("gemv_probe.py measures GPU kernels: it needs a CUDA device (none found).")
 
-from qwen3vl_static.kernels_qwen3vl_graph import TritonDecodeOps, triton
+from qwen3vl_static.ops_matmul_qwen3vl_graph import skinny_config, skinny_matmul
+from qwen3vl_static.triton_qwen3vl_graph import triton
+from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
 
 if triton is None:
     sys.exit("gemv_probe.py needs Triton (not installed).")
@@ -38,14 +40,14 @@ sms = properties.multi_processor_count
 
 def tilings(n, k):
     """The rule's tiling and alternatives that each change one thing about it."""
-    rule = TritonDecodeOps.skinny_config(n, k, sms)
+    rule = skinny_config(n, k, sms)
     return {
         "rule": rule,
         "no-split": rule._replace(split_k=1),
         "split-half": rule._replace(split_k=max(1, rule.split_k // 2)),
         "split-x2": rule._replace(split_k=2 * rule.split_k),
-        "n32-k256": TritonDecodeOps.skinny_config(n, k, sms, block_n=32, block_k=256),
-        "n128-k64": TritonDecodeOps.skinny_config(n, k, sms, block_n=128, block_k=64),
+        "n32-k256": skinny_config(n, k, sms, block_n=32, block_k=256),
+        "n128-k64": skinny_config(n, k, sms, block_n=128, block_k=64),
         "w8": rule._replace(num_warps=8),
         "s2": rule._replace(num_stages=2),
         "s6": rule._replace(num_stages=6),
@@ -99,7 +101,7 @@ for name, (n, k) in SHAPES.items():
         cublas = F.linear(x, weights[0])
         row = {"cublas_us": graph_us(F.linear, x, weights), "cublas_err_vs_fp32": (cublas.float() - exact).abs().max().item()}
         for label, config in configs.items():
-            matmul = lambda x, weight, config=config: TritonDecodeOps.skinny_matmul(x, weight, config)  # noqa: E731
+            matmul = lambda x, weight, config=config: skinny_matmul(x, weight, config)  # noqa: E731
             try:  # a tiling that fails to compile or run must not cost the other numbers
                 out = matmul(x, weights[0])
                 row[label] = {"us": graph_us(matmul, x, weights),
@@ -109,8 +111,8 @@ for name, (n, k) in SHAPES.items():
                 row[label] = {"us": math.inf, "error": f"{type(error).__name__}: {str(error)[:200]}"}
         # What the package decides by itself (its own timing method, the rule's tiling) on first use of this shape.
         try:
-            own_cublas_us, own_triton_us = TritonDecodeOps.time_calls(
-                (lambda: F.linear(x, weights[0]), lambda: TritonDecodeOps.skinny_matmul(x, weights[0])))
+            own_cublas_us, own_triton_us = KernelTuner().time_calls(
+                (lambda: F.linear(x, weights[0]), lambda: skinny_matmul(x, weights[0])))
             row["linear_measured"] = {"cublas_us": own_cublas_us, "triton_us": own_triton_us,
                                       "picks": "triton" if own_triton_us < own_cublas_us else "cublas"}
         except Exception as error:

@@ -15,12 +15,13 @@ import torch
 if not torch.cuda.is_available():
     sys.exit("vision_bucket_probe.py needs a CUDA device.")
 
-from qwen3vl_static.bench import best_ms, build_models, image_prompt, replay_times
+from qwen3vl_static.bench import best_ms, replay_times
+from qwen3vl_static.workloads import build_models, image_prompt
 
 ours, _ = build_models(torch.device("cuda"), torch.bfloat16)
 prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(0))
 pixels, grid = prompt["pixel_values"].to(torch.bfloat16), prompt["image_grid_thw"]
-runner = ours.model.visual.runner
+runner = ours.graph_engine().vision
 rows = []
 with torch.no_grad():
     for bucket in (1024, 896, 832, 784):

@@ -1,0 +1,141 @@
+"""Where a TTFT goes, and what a decode step's GPU time is made of (H200): the stage split of one
+`generate(max_new_tokens=1)` on a 448x448 image prompt (vision, prefill, M-RoPE index, the rest), TTFT without the
+vision tower run ahead, the tower eagerly at its exact size and with the stock Conv3d patch embedding, kernel profiles
+of a batch-1 decode step and of the call's vision tower and prefill, and the host time of one call by function.
+
+The probe wraps runner methods to time them (the benchmark never does). Run: `python bench/probes/ttft_probe.py`
+(writes $OUT/ttft-probe.json, or bench/results/ttft-probe.json).
+"""
+
+import cProfile
+import json
+import os
+import pstats
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from qwen3vl_static.bench import best_ms, timed_generate
+from qwen3vl_static.workloads import build_models, image_prompt
+
+
+@contextmanager
+def instrumented(stages: dict):
+    """Wrap methods `{name: (owner, attribute)}` for the duration: each call's synchronized wall time is added up
+    under `times[name]` (ms) and its arguments kept as `arguments[name]`."""
+    times, arguments = {}, {}
+    for name, (owner, attribute) in stages.items():
+        def timed(*args, _call=getattr(owner, attribute), _name=name, **kwargs):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            result = _call(*args, **kwargs)
+            torch.cuda.synchronize()
+            times[_name] = times.get(_name, 0.0) + 1000 * (time.perf_counter() - began)
+            arguments[_name] = (args, kwargs)
+            return result
+
+        setattr(owner, attribute, timed)  # an instance attribute over the method, removed below
+    try:
+        yield times, arguments
+    finally:
+        for owner, attribute in stages.values():
+            delattr(owner, attribute)
+
+
+def generate_stages(model) -> dict:
+    """The parts of a `generate` call that TTFT is split into."""
+    engine = model.graph_engine()
+    return {"vision_ms": (engine.vision, "encode"), "prefill_ms": (engine.prefill, "run"),
+            "rope_index_ms": (model.model, "get_rope_index")}
+
+
+def host_profile(call, top=20) -> dict:
+    """Host (Python) time of one `call()` by function, the `top` largest by own time, in ms."""
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return {f"{Path(file).name}:{line}({name}) x{calls}": round(1000 * own, 3) for (file, line, name), (calls, _, own, _, _) in rows}
+
+
+KERNEL_CLASSES = {
+    "gemv/gemm": ("gemv", "gemm", "xmma", "cutlass", "nvjet", "splitk", "skinny_matmul", "sum_splits", "qkv_norm_rope"),
+    "attention": ("attention", "fmha", "flash", "sdpa", "softmax", "merge"),
+    "indexing": ("index", "scatter", "gather"),
+    "argmax/sampling": ("argmax", "argmin", "sort", "exponential", "finish_step"),
+    "norm/rope/elementwise": ("elementwise", "vectorized", "reduce", "norm", "cat", "copy", "roll", "silu", "gelu"),
+}
+
+
+def kernel_profile(call, calls=1) -> dict:
+    """GPU time of `call()` per call, by kernel class and for the top kernels. Under programmatic dependent launch
+    a kernel starts before its predecessor ends and waits for it, so kernel times overlap: their sum ("gpu_ms_total")
+    can exceed the call's time, and a kernel's time includes its wait."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    by_class, by_kernel = {}, {}
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = event.device_time_total / 1000 / calls
+        kind = next((label for label, keys in KERNEL_CLASSES.items() if any(key in event.key.lower() for key in keys)), "other")
+        by_class[kind] = by_class.get(kind, 0.0) + ms
+        by_kernel[f"{event.key[:90]} (x{event.count // calls})"] = ms
+    top = dict(sorted(by_kernel.items(), key=lambda item: -item[1])[:15])
+    return {"gpu_ms_total": sum(by_class.values()), "ms_by_class": by_class, "top_kernels_ms": top}
+
+
+def kernel_breakdown(model, image) -> dict:
+    """Where the GPU time goes: one greedy decode step (batch 1), and the vision tower and prefill of `image`."""
+    engine = model.graph_engine()
+    runner = engine.decode
+    steps = runner.steps_per_sync
+    decode = kernel_profile(lambda: runner.collect(runner.issue(steps, "greedy")), steps)
+    with instrumented(generate_stages(model)) as (_, arguments):  # the runners' arguments in a real call
+        timed_generate(model, image, 1)
+    with torch.no_grad():
+        profiles = {name: kernel_profile(lambda: getattr(owner, attribute)(*arguments[f"{name}_ms"][0]))
+                    for name, (owner, attribute) in (("vision", (engine.vision, "encode")),
+                                                     ("prefill", (engine.prefill, "run")))}
+    return {"decode_step_batch1": decode, "vision_tower": profiles["vision"], "prefill": profiles["prefill"]}
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    ours, _ = build_models(device, torch.bfloat16)
+    image = image_prompt(ours.config, device, torch.Generator().manual_seed(0))
+    ours.warmup(batch_sizes=[1], cache_lengths=[image["input_ids"].shape[1] + 128], modes=("greedy",))
+    engine = ours.graph_engine()
+    pixels, grid = image["pixel_values"].to(torch.bfloat16), image["image_grid_thw"]
+    result = {"ttft_ms": best_ms(lambda: timed_generate(ours, image, 1))}
+    with instrumented(generate_stages(ours)) as (spans, _):
+        total = best_ms(lambda: timed_generate(ours, image, 1), repeats=1)
+    spans = {key: value / 2 for key, value in spans.items()}  # best_ms made two calls
+    # generate's own host work, first token, syncs. The stages are synchronized: `vision_ms` is what is left of the
+    # tower when `encode` takes what `encode_ahead` queued as generate began.
+    result.update(spans, other_ms=total - sum(spans.values()))
+    engine.vision.encode_ahead = lambda *args, **kwargs: None  # an instance attribute over the method
+    result["ttft_ms_tower_not_run_ahead"] = best_ms(lambda: timed_generate(ours, image, 1))
+    del engine.vision.encode_ahead
+    with torch.no_grad():
+        engine.vision.bucketed = False
+        result["vision_tower_eager_exact_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
+        engine.vision.bucketed = True
+        ours.model.visual.patch_embed.mode, saved = "conv3d", engine.vision.graphs
+        engine.vision.graphs = type(saved)()  # conv3d graphs of their own, dropped afterwards
+        result["vision_tower_conv3d_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
+        ours.model.visual.patch_embed.mode, engine.vision.graphs = "gemm", saved
+    result["gpu_profile"] = kernel_breakdown(ours, image)
+    result["host_profile_ms"] = host_profile(lambda: timed_generate(ours, image, 1))
+    out = Path(os.environ.get("OUT", "bench/results")) / "ttft-probe.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({key: value for key, value in result.items() if key != "host_profile_ms"}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Decode attention of one new token per row over the static KV cache: the torch reference (an additive mask and
+SDPA) and flash-decoding in two Triton launches (chunks of the cache, then their merge).
+
+Grouped-query attention without repeating K/V: the query heads of one KV head form its query rows. The QKV
+projection, QK-norm, RoPE and the cache write come before (`qkv_norm_rope_write`, a measured composition).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .triton_qwen3vl_graph import (
+    _release_then_wait,
+    _wait_then_release,
+    launch,
+    tl,
+    triton,
+)
+
+CHUNK = 64  # KV slots per flash-decoding program (one tile)
+MERGE_BLOCK = 32  # chunks merged per step of flash-decoding's merge
+
+
+def attention_context_reference(attendable, cache_rows, cache_lens, kv_len, dtype):
+    """What decode attention needs besides the cache, built once per step: here an additive mask `(rows, 1, 1,
+    kv_len)`, and each row's cache row `cache_rows` (the runner's static `arange`) for the KV write.
+
+    A slot is read only if it is written (slot <= the row's length, the current token included) and is not
+    left padding: never an unwritten or stale slot.
+    """
+    slots = torch.arange(kv_len, device=cache_lens.device)
+    readable = attendable[:, :kv_len] & (slots <= cache_lens[:, None])
+    mask = torch.zeros(readable.shape, dtype=dtype, device=readable.device)
+    return mask.masked_fill(~readable, float("-inf"))[:, None, None, :], cache_rows
+
+
+def decode_attention_reference(q, keys, values, mask, kv_len, scale):
+    """Attention of the new queries `q` `(rows, Hq, D)` (row r's cache row is r, the new token's K/V already in it)
+    over the first `kv_len` slots, `mask` from `attention_context_reference`; returns `(rows, Hq * D)`."""
+    rows, kv_heads, head_dim = q.shape[0], keys.shape[1], keys.shape[-1]
+    out = F.scaled_dot_product_attention(
+        q.reshape(rows, kv_heads, -1, head_dim),
+        keys[:rows, :, :kv_len],
+        values[:rows, :, :kv_len],
+        attn_mask=mask,
+        scale=scale,
+    )
+    return out.reshape(rows, -1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+        stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
+        SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """Decode attention of one new token per row, flash-decoding's first pass: a program per (row, KV head, chunk
+        of CHUNK slots) takes the softmax of the KV head's query group over its chunk, one tile (row r's cache is
+        cache row r, the new token's K/V already in it).
+
+        The cache loads come first and depend on the row's length alone: slots up to the new token's were all
+        written (the prefill writes left padding too), and the ones the row does not attend to (left padding) are
+        zeroed after loading, so whatever they hold drops out. Slots past the new token are never read."""
+        _wait_then_release(PDL)
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM)
+        slots = split * CHUNK + tl.arange(0, CHUNK)
+        written = slots <= tl.load(cache_lens + row)
+        cache = row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot + dims[None, :]
+        k = tl.load(keys + cache, mask=written[:, None], other=0.0)
+        v = tl.load(values + cache, mask=written[:, None], other=0.0)
+        readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
+        k = tl.where(readable[:, None], k, 0.0)
+        v = tl.where(readable[:, None], v, 0.0)
+        heads = kv_head * GROUP + group
+        queries = tl.load(q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
+                          mask=group[:, None] < GROUP, other=0.0)
+        scores = tl.dot(queries, tl.trans(k)).to(tl.float32) * scale
+        scores = tl.where(readable[None, :], scores, float("-inf"))
+        best = tl.max(scores, axis=1)
+        weights = tl.exp(scores - tl.where(best == float("-inf"), 0.0, best)[:, None])  # an empty chunk: no NaN
+        # Probabilities stay in float32 (a 16-bit P would round them to 3 digits).
+        acc = tl.dot(weights, v.to(tl.float32))
+        part = ((row * KV_HEADS + kv_head) * SPLITS + split) * GROUP + group
+        live = group < GROUP
+        tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
+        tl.store(part_max + part, best, mask=live)
+        tl.store(part_sum + part, tl.sum(weights, axis=1), mask=live)
+
+    @triton.jit
+    def _merge_kernel(part_out, part_max, part_sum, out, SPLITS, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      MERGE_BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Flash-decoding's second pass: one program per (row, query head) merges its chunks' partial softmaxes. The
+        next kernel (o_proj) launches first thing (`_release_then_wait`)."""
+        _release_then_wait(PDL)
+        pair, head = tl.program_id(0) // GROUP, tl.program_id(0) % GROUP  # pair: (row, KV head)
+        dims = tl.arange(0, HEAD_DIM)
+        top = tl.full((), float("-inf"), tl.float32)
+        total = tl.zeros((), tl.float32)
+        merged = tl.zeros((HEAD_DIM,), tl.float32)
+        for first in range(0, SPLITS, MERGE_BLOCK):
+            chunk = first + tl.arange(0, MERGE_BLOCK)
+            index = (pair * SPLITS + chunk) * GROUP + head
+            got = chunk < SPLITS
+            # All three loads first: a load after the maximum's reduction would wait for it.
+            chunk_max = tl.load(part_max + index, mask=got, other=float("-inf"))
+            chunk_sum = tl.load(part_sum + index, mask=got, other=0.0)
+            chunk_out = tl.load(part_out + index[:, None] * HEAD_DIM + dims[None, :], mask=got[:, None], other=0.0)
+            new_top = tl.maximum(top, tl.max(chunk_max, axis=0))
+            base = tl.where(new_top == float("-inf"), 0.0, new_top)
+            weights = tl.where(got, tl.exp(chunk_max - base), 0.0)
+            correction = tl.exp(top - base)
+            total = total * correction + tl.sum(chunk_sum * weights, axis=0)
+            merged = merged * correction + tl.sum(chunk_out * weights[:, None], axis=0)
+            top = new_top
+        tl.store(out + (pair * GROUP + head) * HEAD_DIM + dims, (merged / total).to(out.dtype.element_ty))
+
+
+def attention_context(attendable, cache_rows, cache_lens, kv_len, dtype):
+    """`attention_context_reference` for the kernels: the attendable slots as they are (the kernel bounds each row by
+    its length), and each row's cache row."""
+    return attendable, cache_rows
+
+
+def decode_attention(q, keys, values, cache_lens, attendable, kv_len, scale):
+    """`decode_attention_reference` as flash-decoding in two launches: chunks, then their merge; `attendable` from
+    `attention_context`. (Fusing QK-norm/RoPE/KV write into the chunks' launch, and the merge into their last
+    programs, makes the whole step slower at every batch size on an H200; so do, under PDL, the write inside the
+    chunks' launch and, at batch 1, the merge inside o_proj's matmul, merging each head as its K step loads it.)"""
+    rows, heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    splits = triton.cdiv(kv_len, CHUNK)
+    part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    launch(_decode_attention_kernel, (rows, kv_heads, splits),
+        q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+        keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
+        splits, CHUNK=CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+    )
+    out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
+    launch(_merge_kernel, (rows * heads,), part_out, part_max, part_sum, out, splits, GROUP=group,
+           HEAD_DIM=head_dim, MERGE_BLOCK=MERGE_BLOCK)
+    return out

@@ -1,0 +1,343 @@
+"""The step's projections: a skinny Triton matmul for a few rows (with SwiGLU, add-and-RMSNorm or QK-norm/RoPE/KV-write
+epilogues, or float32 partial products for the next kernel to sum), its tiling rule, SwiGLU, and the vision MLP's
+projection with GELU; the torch references beside them.
+
+The step's matmuls have a few rows, so they are GEMVs bound by reading the weights. Which form runs (cuBLAS, the
+skinny matmul at some tiling, an epilogue) is measured per shape on the device (`KernelTuner.measured`).
+"""
+
+from collections import namedtuple
+
+import torch
+import torch.nn.functional as F
+
+from .ops_norm_qwen3vl_graph import _load_summed, _store_rms_norm
+from .ops_rotary_qwen3vl_graph import _head_weights, _norm_rope, _rope_tables
+from .triton_qwen3vl_graph import (
+    _release_then_wait,
+    _wait_then_release,
+    launch,
+    tl,
+    triton,
+)
+
+SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
+
+# The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
+# `preload`: each program's whole K range is one tile (`block_k` inputs), loaded before the PDL wait.
+SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages preload", defaults=(False,))
+
+
+def linear_reference(x, weight, bias=None):
+    """`x @ weight.T (+ bias)`: the step's projections."""
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_reference(gate_up):
+    """SwiGLU of the fused gate/up output `(rows, 2 I)`: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear_gelu_tanh_reference(x, weight, bias):
+    """The vision MLP's first projection and its tanh-approximated GELU (`gelu_pytorch_tanh`)."""
+    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up, out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _wait_then_release(PDL)
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = cols < n_cols
+        gate = tl.load(gate_up + row * 2 * n_cols + cols, mask=keep, other=0.0).to(tl.float32)
+        up = tl.load(gate_up + row * 2 * n_cols + n_cols + cols, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out + row * n_cols + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _gemv_tile(x, weight, rows, weight_rows, live_rows, k_len, k_start, k_split, stride_x, stride_w,
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`weight[weight_rows] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most
+        ROWS rows of x (`live_rows` masks the weight rows): each weight tile is read once, coalesced along K, and serves
+        every row (the narrow side of a `tl.dot`, padded to ROWS, its minimum)."""
+        row_ids = tl.arange(0, ROWS)
+        acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+        # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
+        for start in range(k_start, k_start + k_split, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            tile = weight_rows[:, None] * stride_w + ks[None, :]
+            live = live_rows[:, None] & (ks[None, :] < k_len)
+            x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
+                          other=0.0)
+            acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
+        return acc
+
+    @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
+    def _skinny_matmul_kernel(
+        x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
+        hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
+        ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
+        itself, or this K range's float32 partial `(splits, rows, n_cols)`.
+
+        SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program's tile is BLOCK_N / 2 gate rows and
+        the up rows of the same columns, one `tl.dot` as wide as a plain projection's, and it stores silu(gate) * up
+        for those BLOCK_N / 2 columns, rounded as the separate ops round (one K range).
+
+        ADD_RMS_NORM: `out` takes the float32 partials and the last program to finish (a ticket counts them) sums
+        them, rounds y, adds it to `hidden` (the residual stream) and stores the sum and its RMSNorm, rounded as the
+        separate ops round: the residual add and the norm after a projection cost no launch of their own.
+
+        PRELOAD: the program's whole K range (BLOCK_K == k_split) is one weight tile, loaded before the PDL wait (and
+        staged in shared memory for the `tl.dot`, also before it, as compiled for sm90): weights never depend on an
+        earlier kernel, so they stream in while earlier kernels run. The merge releases o_proj before its own wait
+        (`_release_then_wait`), so o_proj's programs load during attention and the merge.
+
+        PDL: see `_wait_then_release`. (Slower on an H200: asking L2 for the first weights before the wait, loading
+        the first weight tile before the wait, and releasing the next kernel only after the loop's loads.)"""
+        split = tl.program_id(1)
+        row_ids = tl.arange(0, ROWS)
+        if PRELOAD:
+            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = split * k_split + tl.arange(0, BLOCK_K)
+            tile = tl.load(weight + cols[:, None] * stride_w + ks[None, :],
+                           mask=(cols[:, None] < n_cols) & (ks[None, :] < k_len), other=0.0)
+            _release_then_wait(PDL)
+            acc = tl.dot(tile, tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
+                                       mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0))
+        elif SWIGLU:
+            _wait_then_release(PDL)
+            tile_rows = tl.arange(0, BLOCK_N)
+            cols = tl.program_id(0) * (BLOCK_N // 2) + tile_rows % (BLOCK_N // 2)
+            acc = _gemv_tile(x, weight, rows, cols + tile_rows // (BLOCK_N // 2) * n_cols, cols < n_cols, k_len,
+                             split * k_split, k_split, stride_x, stride_w, ROWS, BLOCK_N, BLOCK_K)
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, ROWS)), (1, 2, 0)))
+            gate = gate.to(out.dtype.element_ty).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * up.to(out.dtype.element_ty).to(tl.float32)
+            cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        else:
+            _wait_then_release(PDL)
+            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = _gemv_tile(x, weight, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
+                             ROWS, BLOCK_N, BLOCK_K)
+        keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
+        tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
+        if ADD_RMS_NORM:
+            # The barrier puts all of this program's stores before the ticket's release; the ticket's acquire puts
+            # every other program's stores before the last program's reads (which bypass L1).
+            tl.debug_barrier()
+            if tl.atomic_add(ticket, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1:
+                row_cols = tl.arange(0, BLOCK_ROW)
+                row_keep = row_cols < n_cols
+                w = tl.load(norm_weight + row_cols, mask=row_keep, other=0.0).to(tl.float32)
+                for row in range(rows):
+                    h = tl.load(hidden + row * n_cols + row_cols, mask=row_keep, other=0.0)
+                    # y rounded as the projection's output, the sum as `hidden + y`.
+                    y = _load_summed(out, row * n_cols + row_cols, row_keep, splits, rows * n_cols, h.dtype, ".cg")
+                    h = (h.to(tl.float32) + y).to(h.dtype)
+                    tl.store(sum_out + row * n_cols + row_cols, h, mask=row_keep)
+                    _store_rms_norm(h, row_cols, row_keep, w, norm_out + row * n_cols, n_cols, eps)
+                tl.store(ticket, 0)  # ready for the next launch
+
+    @triton.jit(do_not_specialize=["rows", "splits"])
+    def _qkv_norm_rope_write_kernel(
+        x, weight, parts, rows, k_len, k_split, stride_x, stride_w, splits, q_weight, k_weight, cos, sin, eps,
+        q_out, keys, values, cache_rows, cache_slots, stride_cache_row, stride_cache_head, stride_cache_slot, tickets,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """The fused QKV projection of a few rows then `qk_norm_rope_write`, in one launch: programs as the skinny
+        matmul's store float32 partials; the last program of each head (a ticket per head counts them) sums them,
+        rounds them as the projection's output, norms and rotates q and k, and stores q to `q_out` `(rows, HEADS,
+        D)` and k and v into the cache (row `cache_rows[r]`, slot `cache_slots[r]`)."""
+        _wait_then_release(PDL)
+        n_cols = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        acc = _gemv_tile(x, weight, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
+                         ROWS, BLOCK_N, BLOCK_K)
+        row_ids = tl.arange(0, ROWS)
+        tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
+        head = tl.program_id(0) * BLOCK_N // HEAD_DIM
+        # The barrier puts this program's stores before the ticket's release; the ticket's acquire puts every other
+        # program's stores before the last program's reads (which bypass L1).
+        tl.debug_barrier()
+        if tl.atomic_add(tickets + head, 1, sem="acq_rel") == HEAD_DIM // BLOCK_N * splits - 1:
+            row = tl.arange(0, ROWS)[:, None]
+            dims = tl.arange(0, HEAD_DIM)[None, :]
+            keep = row < rows
+            dtype = q_out.dtype.element_ty
+            base = parts + row * n_cols + head * HEAD_DIM
+            y = _load_summed(base, dims, keep, splits, rows * n_cols, dtype, ".cg")
+            y_rolled = _load_summed(base, (dims + HEAD_DIM // 2) % HEAD_DIM, keep, splits, rows * n_cols, dtype, ".cg")
+            if head < HEADS + KV_HEADS:  # q or k: normed and rotated
+                weights = _head_weights(tl.where(head < HEADS, q_weight, k_weight), HEAD_DIM)
+                table = tl.minimum(row, rows - 1) * HEAD_DIM  # padding rows read a real row's table
+                y = _norm_rope(y, y_rolled, weights, _rope_tables(cos + table, sin + table, HEAD_DIM), eps, HEAD_DIM)
+            y = y.to(dtype)
+            if head < HEADS:
+                tl.store(q_out + (row * HEADS + head) * HEAD_DIM + dims, y, mask=keep)
+            else:
+                kv_head = (head - HEADS) % KV_HEADS
+                slot = (tl.load(cache_rows + row, mask=keep, other=0) * stride_cache_row + kv_head * stride_cache_head
+                        + tl.load(cache_slots + row, mask=keep, other=0) * stride_cache_slot + dims)
+                tl.store(tl.where(head < HEADS + KV_HEADS, keys, values) + slot, y, mask=keep)
+            tl.store(tickets + head, 0)  # ready for the next launch
+
+    @triton.jit
+    def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """Split-K, pass 2: add the float32 partials and round once."""
+        _wait_then_release(PDL)
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        keep = offsets < numel
+        total = tl.zeros((BLOCK,), tl.float32)
+        for split in range(splits):
+            total += tl.load(parts + split * numel + offsets, mask=keep, other=0.0)
+        tl.store(out + offsets, total.to(out.dtype.element_ty), mask=keep)
+
+
+def sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def skinny(x, weight) -> bool:
+    """Whether the skinny matmul takes these operands: a few rows, unit stride along K."""
+    return x.dim() == 2 and x.shape[0] <= SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
+
+
+def matmul_shape(x, weight) -> str:
+    """A measured choice's shape description: rows x K -> N, dtype."""
+    return f"{x.shape[0]}x{weight.shape[1]}->{weight.shape[0]} {str(x.dtype).removeprefix('torch.')}"
+
+
+def skinny_config(n, k, sms, block_n=64, block_k=128, can_split=True) -> SkinnyConfig:
+    """The skinny matmul's tiling for an (N, K) weight on `sms` SMs: one rule, so few compiled variants.
+
+    A GEMV is as fast as the weight bytes it keeps in flight. Each program streams `block_n` x `block_k` tiles
+    through a 4-stage pipeline; a matrix with fewer column tiles than SMs also splits K (doubling, while each
+    range keeps at least two K steps and there is at most one program per SM), its float32 partials summed by a
+    second kernel. On an H200, up to two programs per SM split too far: in chains of 28 calls under PDL, o_proj
+    takes 5.0 µs at one per SM against 5.9, down_proj 8.9 against 9.7, the QKV projection 6.6 against 6.9. Where K
+    cannot be split (an epilogue needs whole sums), narrower column tiles fill the SMs.
+    """
+    tiles, split = triton.cdiv(n, block_n), 1
+    while can_split and 2 * tiles * split <= sms and k >= 4 * split * block_k:
+        split *= 2
+    while not can_split and tiles < sms and block_n > 32:
+        block_n //= 2
+        tiles = triton.cdiv(n, block_n)
+    return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
+
+
+def rule_config(weight, can_split=True) -> SkinnyConfig:
+    """`skinny_config`'s rule for `weight` on its device."""
+    return skinny_config(*weight.shape, sm_count(weight.device), can_split=can_split)
+
+
+def stage_configs(rule) -> tuple:
+    """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection is measured at."""
+    return rule._replace(num_stages=4), rule._replace(num_stages=6)
+
+
+def preload_config(weight, block_n=64, tile_bytes=64 * 1024):
+    """A preloaded tiling for `weight` on its device (see `_skinny_matmul_kernel`): `block_n` x (K range) tiles of
+    `tile_bytes` (staged in shared memory: two programs fit an SM), or None where they would take more than two
+    programs per SM (then some would load after the wait anyway)."""
+    n, k = weight.shape
+    block_k = tile_bytes // (block_n * weight.element_size())
+    split = triton.cdiv(k, block_k)
+    if triton.cdiv(n, block_n) * split > 2 * sm_count(weight.device):
+        return None
+    return SkinnyConfig(block_n, block_k, split, num_warps=8, num_stages=1, preload=True)
+
+
+def split_configs(weight) -> list:
+    """The skinny matmul's rule for `weight` on its device, and the same with half the K split: the tilings a
+    fused epilogue is measured at."""
+    rule = rule_config(weight)
+    return list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
+
+
+def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, partials=False, ticket=None):
+    """`x @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
+    unit-stride along K; `config` (a SkinnyConfig) overrides the rule. `swiglu`: `weight` is a fused gate/up
+    matrix and the result is SwiGLU of the product, `(M, N / 2)` (`config.block_n` counts a tile's weight rows,
+    half of them gate rows). `add_rms_norm`: (hidden, norm weight, eps); returns `add_rms_norm(hidden, x @
+    weight.T, ...)` instead, from the same launch, whose last program `ticket` (a counter at zero, left at zero)
+    finds. `partials`: returns the K ranges' float32 partial products `(splits, M, N)` unsummed, for the next kernel
+    to sum as it loads them (`add_rms_norm`, `qk_norm_rope_write`): no launch of their own to sum them."""
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if config is None:
+        config = rule_config(weight, can_split=not swiglu)
+    k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    splits = triton.cdiv(k, k_split)
+    if swiglu and splits > 1:
+        raise ValueError("the SwiGLU epilogue needs whole sums: split_k must be 1")
+    if config.preload and (swiglu or k_split != config.block_k):
+        raise ValueError(f"a preloaded tile spans a program's whole K range: block_k must be {k_split}, "
+                         "without SwiGLU")
+    fused_norm = add_rms_norm is not None
+    if fused_norm and ticket is None:
+        raise ValueError("the add-and-norm epilogue needs a ticket (a counter of finished programs)")
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    parts = (out if splits == 1 and not (fused_norm or partials)
+             else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device))
+    hidden, norm_weight, eps = add_rms_norm if fused_norm else (out, out, 0.0)
+    sums = torch.empty_like(hidden) if fused_norm else out
+    launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n // 2 if swiglu else config.block_n), splits),
+        x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
+        hidden, norm_weight, sums, out, eps, ticket if fused_norm else out, splits,
+        ROWS=SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
+        ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), PRELOAD=config.preload,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if fused_norm:
+        return sums, out
+    if partials:
+        return parts
+    if splits > 1:
+        block = 1024
+        launch(_sum_splits_kernel, (triton.cdiv(rows * n, block),), parts, out, rows * n, splits, BLOCK=block)
+    return out
+
+
+def fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots, config, tickets):
+    """The QKV projection then `qk_norm_rope_write` in one launch, tiled by `config` (column tiles no wider than a
+    head); `tickets`: a counter per head (Hq + 2 Hkv), at zero and left at zero. Returns q `(rows, Hq, D)`."""
+    rows, k = x.shape
+    n, (kv_heads, head_dim) = qkv_weight.shape[0], keys.shape[1::2]
+    block_n = min(config.block_n, head_dim)
+    k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    splits = triton.cdiv(k, k_split)
+    parts = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    q = torch.empty(rows, heads, head_dim, dtype=x.dtype, device=x.device)
+    (q_weight, k_weight, eps), (cos, sin) = qk_norms, rotary
+    launch(_qkv_norm_rope_write_kernel, (n // block_n, splits),
+        x, qkv_weight, parts, rows, k, k_split, x.stride(0), qkv_weight.stride(0), splits, q_weight, k_weight, cos,
+        sin, eps, q, keys, values, cache_rows, cache_slots, keys.stride(0), keys.stride(1), keys.stride(2),
+        tickets, ROWS=SKINNY_ROWS, BLOCK_N=block_n, BLOCK_K=config.block_k,
+        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return q
+
+
+def silu_mul(gate_up):
+    """`silu_mul_reference` in one launch."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    launch(_silu_mul_kernel, (rows, triton.cdiv(width, block)), gate_up, out, width, BLOCK=block)
+    return out
+
+
+def linear_gelu_tanh(x, weight, bias):
+    """`linear_gelu_tanh_reference`; on CUDA, cuBLASLt's GELU epilogue (the tanh form) on the float32 result: no
+    separate activation pass. (The CPU kernel of this op uses the exact erf GELU, hence CUDA only.)"""
+    if x.is_cuda and x.dim() == 2:
+        return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+    return linear_gelu_tanh_reference(x, weight, bias)

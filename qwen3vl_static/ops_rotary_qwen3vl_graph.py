@@ -1,0 +1,221 @@
+"""Rotary embeddings: the decode step's M-RoPE tables, QK-norm + RoPE + KV-cache write of the fused QKV output, and
+the vision attention's q/k rotation; the torch references and the fused Triton kernels.
+
+Tables follow the `rotate_half` convention: `rotate_half(x) * sin == x.roll(D / 2) * signed_sin`.
+"""
+
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
+
+from .ops_norm_qwen3vl_graph import _load_summed
+from .triton_qwen3vl_graph import _wait_then_release, launch, tl, triton
+
+
+def rotary_reference(cos, sin):
+    """Per-step rotary tables from `rotary_emb` `(rows, 1, D)`: `rotate_half(x) * sin == x.roll(D/2) * signed_sin`."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def qk_norm_rope_write_reference(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots):
+    """QK-norm and rotary embedding of the fused QKV output `(rows, (Hq + 2 Hkv) * D)`, one token per row; writes
+    each row's K and V into the cache at `[cache_rows[row], :, cache_slots[row]]` and returns the queries
+    `(rows, Hq, D)`. Decoding writes one token of each sequence; prefill writes all tokens of the prompt."""
+    rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
+    qkv = qkv.view(rows, -1, head_dim)
+    qk = F.rms_norm(qkv[:, : heads + kv_heads], (head_dim,), eps=eps)
+    qk[:, :heads] *= q_weight
+    qk[:, heads:] *= k_weight
+    cos, signed_sin = rotary
+    qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), signed_sin)
+    keys[cache_rows, :, cache_slots] = qk[:, heads:]
+    values[cache_rows, :, cache_slots] = qkv[:, heads + kv_heads :]
+    return qk[:, :heads]
+
+
+def vision_qkv_rope_reference(qkv, heads, cos, sin):
+    """The vision attention's fused QKV output `(N, 3 H D)` -> q, k, v `(1, H, N, D)` for SDPA, q and k rotated
+    in float32 and rounded once (stock `apply_rotary_pos_emb_vision`); `cos`/`sin` are `(N, D)`. Stored
+    patch-major `(N, H, D)`, so SDPA's output is patch-major too and the output projection reads it without a
+    transposing copy."""
+    length = qkv.shape[0]
+    q, k, v = qkv.reshape(length, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    return tuple(states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _head_weights(weight, HEAD_DIM: tl.constexpr):
+        """A per-head norm's weights, float32, and the same rolled by HEAD_DIM / 2 (rotate_half(x) == sign *
+        x.roll(HEAD_DIM / 2)); `(1, HEAD_DIM)` each, for `_norm_rope`."""
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        return tl.load(weight + dims).to(tl.float32), tl.load(weight + (dims + HEAD_DIM // 2) % HEAD_DIM).to(tl.float32)
+
+    @triton.jit
+    def _rope_tables(cos, sin, HEAD_DIM: tl.constexpr):
+        """One token's rotary tables at `cos`, `sin`, float32, the sine signed for `rotate_half`; for `_norm_rope`."""
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        sign = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
+        return tl.load(cos + dims).to(tl.float32), sign * tl.load(sin + dims).to(tl.float32)
+
+    @triton.jit
+    def _norm_rope(x, x_rolled, weights, tables, eps, HEAD_DIM: tl.constexpr):
+        """RMSNorm of each head (a row of `x`, float32) then the rotary embedding (`rotate_half` convention), float32
+        throughout. `x_rolled`: the heads rolled by HEAD_DIM / 2; `weights`, `tables`: `_head_weights`, `_rope_tables`,
+        loaded by the caller before the sum's reduction (a load after it would wait for it)."""
+        w, w_rolled = weights
+        cos, signed_sin = tables
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
+        return x * rstd * w * cos + x_rolled * rstd * w_rolled * signed_sin
+
+    @triton.jit
+    def _load_heads(base, heads, keep, splits, split_stride, dtype, HEAD_DIM: tl.constexpr):
+        """The heads `heads` (a column of head indices, `keep` masking it) of one token at `base` (its `splits`
+        partials, `_load_summed`) and the same rolled by HEAD_DIM / 2: `_norm_rope`'s x and x_rolled."""
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        rolled = (dims + HEAD_DIM // 2) % HEAD_DIM
+        return (_load_summed(base, heads * HEAD_DIM + dims, keep, splits, split_stride, dtype, ""),
+                _load_summed(base, heads * HEAD_DIM + rolled, keep, splits, split_stride, dtype, ""))
+
+    @triton.jit
+    def _rope_store(
+        source, out, stride_out_head, c1, c2, s1, s2, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
+    ):
+        """Rotate all heads of one patch by float32 tables (`rotate_half` convention); store them rounded once."""
+        heads = tl.arange(0, HEADS_PAD)[:, None]
+        half = tl.arange(0, HEAD_DIM // 2)[None, :]
+        keep = heads < HEADS
+        x1 = tl.load(source + heads * HEAD_DIM + half, mask=keep).to(tl.float32)
+        x2 = tl.load(source + heads * HEAD_DIM + HEAD_DIM // 2 + half, mask=keep).to(tl.float32)
+        target = out + heads * stride_out_head + half
+        tl.store(target, (x1 * c1 - x2 * s1).to(out.dtype.element_ty), mask=keep)
+        tl.store(target + HEAD_DIM // 2, (x2 * c2 + x1 * s2).to(out.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _vision_qkv_rope_kernel(
+        qkv, cos, sin, q_out, k_out, v_out, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
+    ):
+        """One patch, all heads: q and k rotated in float32 and rounded once, v copied; all three to `(N, H, D)`."""
+        row = tl.program_id(0)
+        half = tl.arange(0, HEAD_DIM // 2)[None, :]
+        c1 = tl.load(cos + row * HEAD_DIM + half)
+        c2 = tl.load(cos + row * HEAD_DIM + HEAD_DIM // 2 + half)
+        s1 = tl.load(sin + row * HEAD_DIM + half)
+        s2 = tl.load(sin + row * HEAD_DIM + HEAD_DIM // 2 + half)
+        source = qkv + row * 3 * HEADS * HEAD_DIM
+        target = row * HEADS * HEAD_DIM
+        _rope_store(source, q_out + target, HEAD_DIM, c1, c2, s1, s2, HEADS, HEADS_PAD, HEAD_DIM)
+        _rope_store(source + HEADS * HEAD_DIM, k_out + target, HEAD_DIM, c1, c2, s1, s2, HEADS, HEADS_PAD, HEAD_DIM)
+        heads = tl.arange(0, HEADS_PAD)[:, None]
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        keep = heads < HEADS
+        value = tl.load(source + (2 * HEADS + heads) * HEAD_DIM + dims, mask=keep)
+        tl.store(v_out + target + heads * HEAD_DIM + dims, value, mask=keep)
+
+    @triton.jit
+    def _qk_norm_rope_write_kernel(
+        qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, eps, splits, split_stride,
+        stride_cache_row, stride_cache_head, stride_cache_slot,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """One (token, KV head) per program: its query heads, normed and rotated, to `q_out`; its key, normed and
+        rotated, and its value into the cache. q and k are rounded once to the storage dtype. `qkv` is the projection's
+        output or its `splits` float32 partials (`_load_summed`)."""
+        # Norm weights never change during a step, so they load before the PDL wait, during the previous kernel.
+        q_weights, k_weights = _head_weights(q_weight, HEAD_DIM), _head_weights(k_weight, HEAD_DIM)
+        _wait_then_release(PDL)
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        base = qkv + row * (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM
+        tables = _rope_tables(cos + row * HEAD_DIM, sin + row * HEAD_DIM, HEAD_DIM)
+        group = tl.arange(0, GROUP_PAD)[:, None]
+        one = tl.arange(0, 1)[:, None]
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        dtype = q_out.dtype.element_ty
+        # Every load first: a load after a reduction would wait for it.
+        q, q_rolled = _load_heads(base, kv_head * GROUP + group, group < GROUP, splits, split_stride, dtype, HEAD_DIM)
+        k, k_rolled = _load_heads(base, KV_HEADS * GROUP + kv_head + one, one == 0, splits, split_stride, dtype, HEAD_DIM)
+        v = _load_summed(base, (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + dims, one == 0, splits,
+                         split_stride, dtype, "")
+        slot = (tl.load(cache_rows + row) * stride_cache_row + kv_head * stride_cache_head
+                + tl.load(cache_slots + row) * stride_cache_slot + dims)
+        q = _norm_rope(q, q_rolled, q_weights, tables, eps, HEAD_DIM)
+        tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q.to(dtype), mask=group < GROUP)
+        tl.store(keys + slot, _norm_rope(k, k_rolled, k_weights, tables, eps, HEAD_DIM).to(dtype))
+        tl.store(values + slot, v.to(dtype))
+
+    @triton.jit
+    def _decode_rotary_kernel(positions, stride_component, stride_row, components, inv_freq, scaling, cos, sin,
+                              HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+        """One row's rotary tables: column j turns by (its T/H/W position component) x inv_freq[j mod D/2], in float32
+        as the stock module computes it, rounded once."""
+        _wait_then_release(PDL)
+        row = tl.program_id(0)
+        dims = tl.arange(0, HEAD_DIM)
+        position = tl.load(positions + tl.load(components + dims) * stride_component + row * stride_row)
+        angle = position.to(tl.float32) * tl.load(inv_freq + dims % (HEAD_DIM // 2))
+        tl.store(cos + row * HEAD_DIM + dims, (tl.cos(angle) * scaling).to(cos.dtype.element_ty))
+        tl.store(sin + row * HEAD_DIM + dims, (tl.sin(angle) * scaling).to(sin.dtype.element_ty))
+
+else:
+    _head_weights = _rope_tables = _norm_rope = None
+
+
+def rotary(cos, sin):
+    """The kernels' form of the tables from `rotary_emb` `(rows, 1, D)`: `(rows, D)`, contiguous, the sine unsigned
+    (each kernel signs it for `rotate_half`)."""
+    return cos.reshape(cos.shape[0], -1).contiguous(), sin.reshape(sin.shape[0], -1).contiguous()
+
+
+def rotary_components(rotary_emb, device):
+    """Which T/H/W position component turns each rotary column, read off the stock module itself (its layout of
+    the M-RoPE sections is not restated here): with only component c at 1, exactly c's columns have a nonzero
+    sin. None where the module's tables are not a fixed function of the positions (dynamic RoPE types)."""
+    if getattr(rotary_emb, "rope_type", None) != "default":
+        return None
+    probe = torch.eye(3, dtype=torch.long, device=device)[:, :, None]  # row r: component r at 1
+    _, sin = rotary_emb(torch.empty(0, device=device), probe)
+    turned = sin[:, 0] != 0  # (rows = components, D)
+    if not (turned.sum(dim=0) == 1).all():
+        return None
+    return turned.int().argmax(dim=0).to(torch.int32)
+
+
+def decode_rotary(rotary_emb, hidden, positions, components):
+    """The step's rotary tables for M-RoPE `positions` `(3, rows, 1)`, as `rotary` returns them, in one launch for
+    the dozen small kernels of the stock module; `components`: `rotary_components` (not None)."""
+    rows, dim = hidden.shape[0], components.shape[0]
+    cos, sin = torch.empty(2, rows, dim, dtype=hidden.dtype, device=hidden.device)
+    launch(_decode_rotary_kernel, (rows,), positions, positions.stride(0), positions.stride(1), components,
+           rotary_emb.inv_freq, rotary_emb.attention_scaling, cos, sin, HEAD_DIM=dim)
+    return cos, sin
+
+
+def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots):
+    """`qk_norm_rope_write_reference` in one launch. `qkv` is the projection's output `(rows, N)`, or its float32
+    partial products `(splits, rows, N)` (`skinny_matmul(..., partials=True)`), summed and rounded here."""
+    rows, n = qkv.shape[-2:]
+    kv_heads, head_dim = keys.shape[1], keys.shape[-1]
+    q = torch.empty(rows, heads, head_dim, dtype=keys.dtype, device=qkv.device)
+    cos, sin = rotary
+    group = heads // kv_heads
+    launch(_qk_norm_rope_write_kernel, (rows, kv_heads),
+        qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, eps, qkv.numel() // (rows * n),
+        rows * n, keys.stride(0), keys.stride(1), keys.stride(2),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+    )
+    return q
+
+
+def vision_qkv_rope(qkv, heads, cos, sin):
+    """`vision_qkv_rope_reference` in one launch (the stock rotary is a dozen elementwise passes in float32)."""
+    length, head_dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
+    q, k, v = torch.empty(3, length, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    launch(_vision_qkv_rope_kernel, (length,),
+        qkv, cos.float().contiguous(), sin.float().contiguous(), q, k, v,
+        HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=head_dim,
+    )
+    return tuple(states.transpose(0, 1).unsqueeze(0) for states in (q, k, v))

@@ -1,0 +1,85 @@
+"""What every Triton kernel of the model shares: the optional Triton import, programmatic dependent launch (PDL) and
+`launch`, which compiles only while kernels compile ahead (`compiling_ahead`).
+
+Triton is optional: without it `triton` and `tl` are None, no kernel is defined and the torch reference ops run.
+"""
+
+import functools
+import os
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch ops cover every environment
+    triton = tl = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without programmatic dependent launch: every kernel waits for the previous one
+    gdc_launch_dependents = gdc_wait = None
+
+# True while kernels compile ahead (in this thread): launches only compile.
+_COMPILING = ContextVar("qwen3vl_static_compiling", default=False)
+
+if triton is not None:
+
+    @triton.jit
+    def _wait_then_release(PDL: tl.constexpr):
+        """Every decode kernel's first step. Under programmatic dependent launch (PDL) a kernel is launched while the
+        previous one still runs: it waits for that kernel's results (all of them, flushed), then lets the next kernel
+        launch, which waits in turn. So each kernel's launch and start overlap its predecessor's tail, and every
+        kernel still sees the results of all before it (releasing only after the wait keeps one kernel waiting at a
+        time, not a chain holding the SMs)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def _release_then_wait(PDL: tl.constexpr):
+        """`_wait_then_release` the other way round: the successor launches while this kernel and its predecessor still
+        run, and still waits for this kernel's results (its launch comes earlier, not its wait). The merge uses it so
+        that a preloaded o_proj loads its weights during attention; the preloaded matmul, after its own loads."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+
+else:
+    _wait_then_release = _release_then_wait = None
+
+
+@functools.cache
+def pdl_capable(device: torch.device) -> bool:
+    """Whether kernels launch with programmatic dependent launch on `device`: sm90 and later, a Triton that has it,
+    compiled kernels (not the interpreter)."""
+    return (gdc_wait is not None and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def compiling() -> bool:
+    """Whether kernels compile ahead now (`compiling_ahead`): launches only compile and measured ops time nothing."""
+    return _COMPILING.get()
+
+
+@contextmanager
+def compiling_ahead():
+    """Within this context (in this thread) `launch` only compiles its kernel, and measured ops run every candidate."""
+    token = _COMPILING.set(True)
+    try:
+        yield
+    finally:
+        _COMPILING.reset(token)
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """`kernel[grid](*args, **kwargs)`; while compiling ahead, only the kernel's compilation. Kernels with a PDL
+    argument launch with programmatic dependent launch where the device has it (`pdl_capable`)."""
+    if "PDL" in kernel.arg_names:
+        pdl = pdl_capable(next(arg.device for arg in args if isinstance(arg, torch.Tensor)))
+        kwargs.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    if _COMPILING.get():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)

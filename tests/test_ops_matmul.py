@@ -1,0 +1,238 @@
+"""The skinny matmul and its epilogues, SwiGLU and the vision MLP's projection (ops_matmul_qwen3vl_graph.py), and
+the measured compositions of the op sets that pick among them, against the torch references."""
+
+import pytest
+import torch
+from ops_checks import (
+    DEVICE,
+    DTYPES,
+    TOLERANCE,
+    Torch,
+    Triton,
+    assert_close_at_scale,
+    assert_matmul_close,
+    needs_triton,
+    poisoned_empty,
+    randn,
+)
+
+from qwen3vl_static import ops_matmul_qwen3vl_graph as matmul
+from qwen3vl_static import triton_qwen3vl_graph
+from qwen3vl_static.ops_norm_qwen3vl_graph import (
+    add_rms_norm,
+    rms_norm,
+    rms_norm_reference,
+)
+from qwen3vl_static.ops_rotary_qwen3vl_graph import qk_norm_rope_write
+from qwen3vl_static.triton_qwen3vl_graph import pdl_capable
+
+pytestmark = needs_triton
+
+SKINNY_CONFIGS = {
+    "one-pass": matmul.SkinnyConfig(block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=2),
+    # 3 splits of K = 200 in 32-wide steps leave a short last range.
+    "split-k": matmul.SkinnyConfig(block_n=32, block_k=32, split_k=3, num_warps=4, num_stages=2),
+    # Each program's whole K range (64 inputs; the last one 8) in one tile loaded before the wait.
+    "preloaded": matmul.SkinnyConfig(block_n=32, block_k=64, split_k=4, num_warps=4, num_stages=1, preload=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
+@pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
+def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form):
+    """The QKV projection with QK-norm/RoPE/KV write in its epilogue (each head's last program; column tiles of half a
+    head), or its partial products summed by the QK-norm/RoPE/write kernel, against the projection then the reference
+    ops. Only each row's slot is written."""
+    heads, kv_heads, dim, hidden, slots = 4, 2, 32, 96, 20
+    x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
+    qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
+    cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
+    cache_rows, cache_slots = torch.arange(rows, device=DEVICE), torch.tensor([4, 19, 0], device=DEVICE)[:rows]
+    keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
+    values = torch.full_like(keys, float("nan"))
+    k_ref, v_ref = keys.float(), values.float()
+    q_ref = Torch.qkv_norm_rope_write(x.float(), qkv_weight.float(), heads, tuple(w.float() for w in qk_norms[:2]) + qk_norms[2:],
+                                      Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_rows, cache_slots)
+    config = matmul.SkinnyConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
+    tickets = Triton.ticket(torch.device(DEVICE), heads + 2 * kv_heads)
+    with poisoned_empty():
+        if form == "fused":
+            q = matmul.fused_qkv(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows,
+                                 cache_slots, config, tickets)
+        else:
+            parts = matmul.skinny_matmul(x, qkv_weight, config, partials=True)
+            assert parts.shape == (config.split_k, rows, qkv_weight.shape[0]) and parts.dtype == torch.float32
+            q = qk_norm_rope_write(parts, heads, *qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows, cache_slots)
+    assert_close_at_scale(q, q_ref)
+    written = torch.zeros(rows + 1, slots, dtype=torch.bool, device=DEVICE)
+    written[cache_rows, cache_slots] = True
+    assert keys.transpose(1, 2)[~written].isnan().all() and values.transpose(1, 2)[~written].isnan().all()
+    for got, expected in ((keys, k_ref), (values, v_ref)):
+        assert_close_at_scale(got.transpose(1, 2)[written], expected.transpose(1, 2)[written])
+    assert not tickets.any()  # back at zero for the next launch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gate_up = randn(3, 2 * 1500, dtype=dtype)
+    torch.testing.assert_close(matmul.silu_mul(gate_up), matmul.silu_mul_reference(gate_up), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("form", SKINNY_CONFIGS)
+def test_skinny_matmul(dtype, rows, form):
+    # N and K are not multiples of the blocks.
+    x, weight = randn(rows, 200, dtype=dtype), randn(100, 200, dtype=dtype)
+    with poisoned_empty():  # the output and the split-K partials
+        out = matmul.skinny_matmul(x, weight, SKINNY_CONFIGS[form])
+    assert_matmul_close(out, (x, weight), matmul.linear_reference)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_preloaded_tiles_span_whole_k_ranges(dtype):
+    x, weight = randn(1, 200, dtype=dtype), randn(100, 200, dtype=dtype)
+    with pytest.raises(ValueError, match="whole K range"):  # 2 ranges of 128 inputs: not one 64-input tile each
+        matmul.skinny_matmul(x, weight, SKINNY_CONFIGS["preloaded"]._replace(split_k=2))
+
+
+def test_preloaded_tiling_rule(monkeypatch):
+    """64 KB tiles (64 columns x 512 bfloat16 inputs), offered where they take at most two programs per SM."""
+    monkeypatch.setattr(matmul, "sm_count", lambda device: 132)
+    def weight(n, k):
+        return torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+
+    preloaded = matmul.SkinnyConfig(64, 512, 4, num_warps=8, num_stages=1, preload=True)
+    assert matmul.preload_config(weight(2048, 2048)) == preloaded  # o_proj: 128 programs
+    assert matmul.preload_config(weight(4096, 2048)) == preloaded  # QKV: 256
+    assert matmul.preload_config(weight(2048, 6144)) is None  # down_proj: 384
+
+
+def test_skinny_config_splits_narrow_matrices_only():
+    wide, narrow = matmul.skinny_config(151936, 2048, sms=132), matmul.skinny_config(2048, 6144, sms=132)
+    assert wide.split_k == 1 and narrow.split_k > 1
+    assert 6144 // narrow.split_k >= 2 * narrow.block_k  # every K range takes at least two steps
+    assert 2048 // narrow.block_n * narrow.split_k <= 132 < 2048 // narrow.block_n * narrow.split_k * 2  # one per SM
+    whole_sums = matmul.skinny_config(6144, 2048, sms=132, can_split=False)  # SwiGLU epilogue: narrower tiles instead
+    assert whole_sums.split_k == 1 and whole_sums.block_n == 32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_takes_the_kernel_or_cublas_by_shape(dtype):
+    x, weight = randn(5, 96, dtype=dtype), randn(80, 96, dtype=dtype)
+    # The kernel (CPU), or whichever measured faster (CUDA; not under poisoned_empty: deterministic mode rejects cuBLAS).
+    torch.testing.assert_close(Triton.linear(x, weight), Torch.linear(x, weight), **TOLERANCE[dtype])
+    many, bias = randn(matmul.SKINNY_ROWS + 1, 96, dtype=dtype), randn(80, dtype=dtype)  # cuBLAS: too many rows, a bias
+    torch.testing.assert_close(Triton.linear(many, weight), Torch.linear(many, weight), **TOLERANCE[dtype])
+    torch.testing.assert_close(Triton.linear(x, weight, bias), Torch.linear(x, weight, bias), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_linear_swiglu_fused_and_chosen(dtype, rows):
+    """SwiGLU as the gate/up matmul's epilogue (the up columns of each gate column in the same program) equals the
+    matmul then the SwiGLU kernel."""
+    x, gate_up_weight = randn(rows, 200, dtype=dtype), randn(2 * 100, 200, dtype=dtype)
+    config = matmul.SkinnyConfig(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+    with poisoned_empty():
+        out = matmul.skinny_matmul(x, gate_up_weight, config, swiglu=True)
+    assert out.shape == (rows, 100)
+    assert_matmul_close(out, (x, gate_up_weight), Torch.linear_swiglu)
+    assert_matmul_close(Triton.linear_swiglu(x, gate_up_weight), (x, gate_up_weight), Torch.linear_swiglu)  # either form
+    with pytest.raises(ValueError, match="whole sums"):
+        matmul.skinny_matmul(x, gate_up_weight, config._replace(split_k=2), swiglu=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("form", SKINNY_CONFIGS)
+def test_linear_add_rms_norm_fused_and_chosen(dtype, rows, form):
+    """The residual add and RMSNorm done by the skinny matmul's last program equal the matmul then the add-and-norm
+    kernel; the ticket is back at zero afterwards."""
+    x, weight = randn(rows, 200, dtype=dtype), randn(100, 200, dtype=dtype)
+    hidden, norm_weight = randn(rows, 100, dtype=dtype), randn(100, dtype=dtype)
+    config = SKINNY_CONFIGS[form]
+    ticket = Triton.ticket(x.device)
+    with poisoned_empty():  # the partials, the sum and the normed output
+        total, normed = matmul.skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, 1e-6), ticket=ticket)
+    assert_matmul_close(total, (x, weight, hidden), lambda x, weight, hidden: hidden + x @ weight.T)
+    torch.testing.assert_close(normed, rms_norm_reference(total, norm_weight, 1e-6), **TOLERANCE[dtype])
+    assert not ticket.any()
+    with poisoned_empty():  # the partials summed by the add-and-norm kernel instead
+        parts = matmul.skinny_matmul(x, weight, config, partials=True)
+        assert parts.shape == (config.split_k, rows, 100) and parts.dtype == torch.float32
+        summed = add_rms_norm(hidden, parts, norm_weight, 1e-6)
+    for got, expected in zip(summed, (total, normed)):  # the same sums, rounded once, as the fused form
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    either = Triton.linear_add_rms_norm(x, weight, None, hidden, norm_weight, 1e-6)  # whichever form measured faster
+    for got, expected in zip(either, Torch.linear_add_rms_norm(x, weight, None, hidden, norm_weight, 1e-6)):
+        torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+
+
+def test_the_add_and_norm_epilogue_needs_a_ticket():
+    x, weight, hidden, norm_weight = randn(1, 64, dtype=torch.float32), randn(32, 64, dtype=torch.float32), None, None
+    with pytest.raises(ValueError, match="ticket"):
+        matmul.skinny_matmul(x, weight, add_rms_norm=(hidden, norm_weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_gelu_tanh(dtype):
+    """cuBLASLt's GELU epilogue on CUDA is the tanh form the vision MLP uses (elsewhere: the torch ops)."""
+    x, weight, bias = randn(37, 64, dtype=dtype), randn(96, 64, dtype=dtype), randn(96, dtype=dtype)
+    expected = matmul.linear_gelu_tanh_reference(x.float(), weight.float(), bias.float()).to(dtype)
+    torch.testing.assert_close(matmul.linear_gelu_tanh(x, weight, bias), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.cuda
+def test_linear_measures_outside_graph_capture_only():
+    """A shape first met during capture runs cuBLAS in that graph; its next use outside capture measures it."""
+    x, weight = randn(3, 320, dtype=torch.bfloat16), randn(192, 320, dtype=torch.bfloat16)  # a shape no other test uses
+    key = ("linear", "3x320->192 bfloat16", x.device)
+    expected = Torch.linear(x, weight)  # also warms cuBLAS up before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = Triton.linear(x, weight)
+    assert key not in Triton.tuner.choices
+    graph.replay()
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(Triton.linear(x, weight), expected, **TOLERANCE[torch.bfloat16])
+    assert key in Triton.tuner.choices
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda" or not pdl_capable(torch.device(DEVICE, 0)), reason="needs programmatic dependent launch")
+def test_dependent_launches_see_their_inputs(monkeypatch):
+    """Under programmatic dependent launch a kernel is launched before the previous one ends. A graph of MLP blocks
+    in which each kernel reads the previous one's output gives the same bits as the same kernels launched the usual
+    way, replay after replay."""
+    width, hidden_width, blocks = 1024, 3072, 6
+    weights = [(randn(2 * hidden_width, width, dtype=torch.bfloat16) / 32, randn(width, hidden_width, dtype=torch.bfloat16) / 64,
+                randn(width, dtype=torch.bfloat16)) for _ in range(blocks)]
+    hidden = randn(2, width, dtype=torch.bfloat16)
+    ticket = Triton.ticket(hidden.device)
+
+    def mlp_blocks():
+        h, x = hidden, rms_norm(hidden, weights[0][2], 1e-6)
+        for gate_up, down, norm_weight in weights:
+            activation = matmul.silu_mul(matmul.skinny_matmul(x, gate_up))
+            h, x = matmul.skinny_matmul(activation, down, add_rms_norm=(h, norm_weight, 1e-6), ticket=ticket)
+        return h, x
+
+    def launching_with_pdl(pdl):  # `launch` asks `pdl_capable` at every launch
+        monkeypatch.setattr(triton_qwen3vl_graph, "pdl_capable", pdl_capable if pdl else lambda device: False)
+
+    launching_with_pdl(False)
+    expected = mlp_blocks()  # the usual launches, eagerly: a reference that no graph computed
+    assert expected[1].isfinite().all()
+    outputs, graphs = {}, {}
+    for pdl in (False, True):
+        launching_with_pdl(pdl)
+        mlp_blocks()  # compiles
+        graphs[pdl] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[pdl]):
+            outputs[pdl] = mlp_blocks()
+        for _ in range(20):
+            graphs[pdl].replay()
+            assert all(torch.equal(a, b) for a, b in zip(outputs[pdl], expected))

@@ -1,0 +1,78 @@
+"""The rotary kernels (ops_rotary_qwen3vl_graph.py) against their torch references and the stock modules."""
+
+import pytest
+import torch
+from ops_checks import (
+    DEVICE,
+    DTYPES,
+    TOLERANCE,
+    Torch,
+    Triton,
+    needs_triton,
+    poisoned_empty,
+    randn,
+)
+
+from qwen3vl_static import ops_rotary_qwen3vl_graph as rotary
+
+pytestmark = needs_triton
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_rows", [[0, 1, 2], [2, 0, 2]], ids=["one-per-row", "several-per-row"])
+def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows):
+    """Prefill writes the prompt's tokens into the cache, several tokens to a row (any token -> (row, slot) map)."""
+    rows, heads, kv_heads, dim, slots = 3, 4, 2, 32, 40
+    qkv = randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q_weight, k_weight = randn(dim, dtype=dtype), randn(dim, dtype=dtype)
+    cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
+    cache_rows, cache_slots = torch.tensor(cache_rows, device=DEVICE), torch.tensor([0, 17, 39], device=DEVICE)
+    results = []
+    for ops in (Torch, Triton):
+        keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
+        values = torch.full_like(keys, float("nan"))
+        tables = ops.rotary(cos, sin)
+        with poisoned_empty():
+            q = ops.qk_norm_rope_write(qkv, heads, q_weight, k_weight, 1e-6, tables, keys, values, cache_rows, cache_slots)
+        results.append((q, keys, values))
+    (q_ref, k_ref, v_ref), (q, k, v) = results
+    torch.testing.assert_close(q, q_ref, **TOLERANCE[dtype])
+    written = torch.zeros(rows + 1, slots, dtype=torch.bool, device=DEVICE)
+    written[cache_rows, cache_slots] = True
+    assert k.transpose(1, 2)[~written].isnan().all() and v.transpose(1, 2)[~written].isnan().all()  # nothing else written
+    torch.testing.assert_close(k.transpose(1, 2)[written], k_ref.transpose(1, 2)[written], **TOLERANCE[dtype])
+    torch.testing.assert_close(v.transpose(1, 2)[written], v_ref.transpose(1, 2)[written], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rotary_matches_the_stock_module(dtype):
+    """The step's rotary tables from one kernel equal the stock module's (Qwen3-VL-2B's M-RoPE sections), for positions
+    whose T/H/W components differ (image tokens) or agree (text), bitwise on CUDA (the same float32 math)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+        Qwen3VLTextRotaryEmbedding,
+    )
+
+    from qwen3vl_static.presets import real_2b_config
+
+    rotary_emb = Qwen3VLTextRotaryEmbedding(real_2b_config().text_config).to(DEVICE)
+    components = rotary.rotary_components(rotary_emb, torch.device(DEVICE))
+    assert components.tolist()[:6] == [0, 1, 2, 0, 1, 2] and components.tolist()[-4:] == [0, 0, 0, 0]  # interleaved
+    positions = torch.randint(0, 100_000, (3, 5, 1), device=DEVICE)
+    positions[:, 0] = positions[0, 0]
+    hidden = randn(5, 16, dtype=dtype)
+    got = Triton.decode_rotary(rotary_emb, hidden, positions, components)
+    expected = rotary.rotary(*rotary_emb(hidden, positions))
+    for table, reference in zip(got, expected):
+        torch.testing.assert_close(table, reference, **({"rtol": 0, "atol": 0} if DEVICE == "cuda" else TOLERANCE[dtype]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vision_qkv_rope_matches_the_stock_rotary(dtype):
+    length, heads, dim = 37, 3, 16
+    qkv = randn(length, 3 * heads * dim, dtype=dtype)
+    cos, sin = torch.randn(length, dim, device=DEVICE), torch.randn(length, dim, device=DEVICE)
+    expected = rotary.vision_qkv_rope_reference(qkv, heads, cos, sin)
+    got = rotary.vision_qkv_rope(qkv, heads, cos, sin)
+    for tensor, reference in zip(got, expected, strict=True):
+        assert tensor.shape == reference.shape == (1, heads, length, dim)
+        torch.testing.assert_close(tensor, reference, **TOLERANCE[dtype])
