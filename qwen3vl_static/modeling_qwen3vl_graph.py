@@ -27,6 +27,22 @@ from .engine_qwen3vl_graph import GraphEngine
 from .loops_qwen3vl_graph import device_loop, device_plan, host_loop
 from .vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed, Qwen3VLGraphVisionModel
 
+# transformers 4.57 copies into its module cache only the files that the modeling file imports itself (later releases
+# follow imports recursively), so this file names every other file of the custom code.
+from .capture_qwen3vl_graph import GraphCapturer  # noqa: F401
+from .decode_qwen3vl_graph import DecodeRunner  # noqa: F401
+from .decoder_qwen3vl_graph import TextWeights  # noqa: F401
+from .ops_attention_qwen3vl_graph import decode_attention  # noqa: F401
+from .ops_matmul_qwen3vl_graph import skinny_matmul  # noqa: F401
+from .ops_norm_qwen3vl_graph import rms_norm  # noqa: F401
+from .ops_qwen3vl_graph import make_ops  # noqa: F401
+from .ops_rotary_qwen3vl_graph import qk_norm_rope_write  # noqa: F401
+from .ops_step_end_qwen3vl_graph import finish_step  # noqa: F401
+from .prefill_qwen3vl_graph import PrefillRunner  # noqa: F401
+from .runner_qwen3vl_graph import GraphRunner  # noqa: F401
+from .triton_qwen3vl_graph import launch  # noqa: F401
+from .tuner_qwen3vl_graph import KernelTuner  # noqa: F401
+
 logger = logging.get_logger(__name__)
 
 _LOOP_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
