@@ -55,6 +55,3 @@ class GraphRunner:
         else:
             for _ in range(times):
                 self.step(*key)
-
-    def idle(self) -> None:
-        """Inputs for warm-up steps that stay in bounds for every key (nothing by default)."""
