@@ -241,7 +241,7 @@ class TritonOps(TorchOps):
         before anything times or captures them: each launch only queues its kernel's compilation (outputs stay
         unwritten) and each measured op runs all its candidates. Triton releases the GIL for most of a compilation, so
         this takes a fraction of compiling kernel after kernel at first launch. Where it cannot (a Triton before 3.4,
-        without `AsyncCompileMode`; a failure), kernels compile at first launch as before."""
+        without `AsyncCompileMode`; a failure), kernels compile at first launch instead."""
         if not hasattr(triton, "AsyncCompileMode"):
             return
         try:

@@ -89,9 +89,10 @@ class VisionRunner(GraphRunner):
         self, visual, ops, patch_buckets, table_cache_size: int, capturer, use_graphs: bool, bucketed: bool,
     ):
         config = visual.config
+        self.sdpa = config._attn_implementation == "sdpa"
         # As for prefill, padded to buckets or run at exact sizes. The padded mask needs the sdpa attention (other
         # implementations split by `cu_seqlens`, which padding would break).
-        bucketed = bucketed and bool(patch_buckets) and config._attn_implementation == "sdpa"
+        bucketed = bucketed and bool(patch_buckets) and self.sdpa
         weight = visual.patch_embed.proj.weight
         super().__init__(capturer, use_graphs, can_use_graphs=bucketed and weight.is_cuda)
         # The tower's parts the runner computes with (the tower itself only hands calls over to the runner).
@@ -99,7 +100,6 @@ class VisionRunner(GraphRunner):
         self.deepstack_mergers = dict(zip(visual.deepstack_visual_indexes, visual.deepstack_merger_list))
         self.pos_embed = visual.pos_embed
         self.tables_of = visual.tables  # grid_thw -> (position embeddings, cos, sin)
-        self.sdpa = config._attn_implementation == "sdpa"
         self.ops = ops
         device, self.dtype = weight.device, weight.dtype
         self.weight_address = weight.data_ptr()
