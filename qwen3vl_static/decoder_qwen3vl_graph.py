@@ -2,7 +2,8 @@
 
 `TextWeights` reads the stock modules once: per layer the fused QKV and gate/up matrices (one GEMV each instead of
 three and two; the module parameters become row views of them, so no second copy exists and the state dict is
-unchanged), the norms, projections and attention shapes. `decoder_layers` is the layer walk that prefill and decode
+unchanged; FP8 linears fuse their FP8 bytes the same way and stack their scales), the norms, projections and attention
+shapes. `decoder_layers` is the layer walk that prefill and decode
 share: they differ only in how a layer attends (`attend`), and prefill adds DeepStack features after the first layers.
 Each projection into the residual stream comes with the add and the RMSNorm that follow it (the post-attention norm,
 the next layer's input norm or the final one).
@@ -13,8 +14,11 @@ from typing import NamedTuple
 
 import torch
 
+from .fp8_qwen3vl_graph import Fp8Weight, fused_fp8_scales, linear_weight
+
 
 class DecoderLayer(NamedTuple):
+    # Weights are tensors or `Fp8Weight`s (FP8 checkpoints).
     qkv: torch.Tensor  # q, k and v projections fused, (Hq + 2 Hkv) * D rows
     heads: int
     qk_norms: tuple  # (q_norm weight, k_norm weight, eps)
@@ -26,14 +30,20 @@ class DecoderLayer(NamedTuple):
     next_norm: tuple  # (weight, eps): the next layer's input norm, or the final norm
 
 
-def fuse_weights(linears) -> torch.Tensor:
+def fuse_weights(linears):
     """One matrix of the weights of bias-free linears that share an input; the parameters become its row views (the
-    previous storages are freed)."""
+    previous storages are freed). FP8 linears give an `Fp8Weight` of their fused bytes and stacked scales (the scale
+    parameters stay the modules' own: they are small)."""
+    if len({linear.weight.dtype for linear in linears}) > 1:
+        raise ValueError("linears that share an input must all be quantized or all not, got "
+                         + ", ".join(f"{type(linear).__name__} ({linear.weight.dtype})" for linear in linears))
     fused = torch.cat([linear.weight.detach() for linear in linears])
     start = 0
     for linear in linears:
         linear.weight.data = fused[start : start + linear.out_features]
         start += linear.out_features
+    if isinstance(linear_weight(linears[0]), Fp8Weight):
+        return Fp8Weight(fused, *fused_fp8_scales(linears))
     return fused
 
 
@@ -44,7 +54,7 @@ class TextWeights:
         first = layers[0].input_layernorm
         self.first_norm = (first.weight, first.variance_epsilon)
         self.rotary_emb = text_model.rotary_emb
-        self.lm_head = lm_head.weight
+        self.lm_head = linear_weight(lm_head)
         self.fused_linears = [
             linears
             for layer in layers
@@ -61,8 +71,8 @@ class TextWeights:
             self.layers.append(DecoderLayer(
                 qkv=qkv, heads=attn.config.num_attention_heads,
                 qk_norms=(attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon), scaling=attn.scaling,
-                o_proj=(attn.o_proj.weight, attn.o_proj.bias), post_norm=(post.weight, post.variance_epsilon),
-                gate_up=gate_up, down_proj=(mlp.down_proj.weight, mlp.down_proj.bias),
+                o_proj=(linear_weight(attn.o_proj), attn.o_proj.bias), post_norm=(post.weight, post.variance_epsilon),
+                gate_up=gate_up, down_proj=(linear_weight(mlp.down_proj), mlp.down_proj.bias),
                 next_norm=(next_norm.weight, next_norm.variance_epsilon),
             ))
         self.addresses = self.linear_addresses()

@@ -9,7 +9,8 @@ this class saves loads into the stock class). `generate()` keeps all of transfor
 A later turn may pass the returned cache back (`past_key_values=` / `cache=`, as with stock): when the new prompt
 extends the tokens the cache holds, only its new tokens are prefilled. Anything the loop does not cover (beam
 search, assisted decoding, attention/hidden-state outputs, a cache of another kind, ...) runs transformers' own
-code path.
+code path, and so does a model whose linear layers are quantized in a format the kernels do not take (plain and
+fine-grained FP8 weights run on the fast path: fp8_qwen3vl_graph.py).
 """
 
 import threading
@@ -24,6 +25,7 @@ from .cache_qwen3vl_graph import ASStaticCache
 from .compat_qwen3vl_graph import CACHE_KWARG, first_decode_positions, generate_output, media_features, prompt_positions
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 from .engine_qwen3vl_graph import GraphEngine
+from .fp8_qwen3vl_graph import unsupported_weights
 from .loops_qwen3vl_graph import device_loop, device_plan, host_loop
 from .vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed, Qwen3VLGraphVisionModel
 
@@ -33,6 +35,7 @@ from .capture_qwen3vl_graph import GraphCapturer  # noqa: F401
 from .decode_qwen3vl_graph import DecodeRunner  # noqa: F401
 from .decoder_qwen3vl_graph import TextWeights  # noqa: F401
 from .ops_attention_qwen3vl_graph import decode_attention  # noqa: F401
+from .ops_fp8_matmul_qwen3vl_graph import fp8_matmul  # noqa: F401
 from .ops_matmul_qwen3vl_graph import skinny_matmul  # noqa: F401
 from .ops_norm_qwen3vl_graph import rms_norm  # noqa: F401
 from .ops_qwen3vl_graph import make_ops  # noqa: F401
@@ -83,8 +86,11 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         with self._generate_lock, self.backend_flags():
             # Before anything is queued or written (a bad token id would fail inside a CUDA kernel).
             _check_generate_inputs(self.config, kwargs.get("input_ids", args[0] if args else None), kwargs)
+            engine = self._current_engine()
+            if engine is None:  # weights the kernels do not take (warned): transformers' modules and loop
+                return super().generate(*args, **kwargs)
             # Before generate's own steps: transformers 5.2x runs the vision tower early.
-            vision = self.graph_engine().vision
+            vision = engine.vision
             # The tower runs on the side stream while generate prepares its inputs (host work, ~3 ms on an H200
             # host); whichever path encodes the images then takes the result.
             videos = kwargs.get("pixel_values_videos") is not None
@@ -125,11 +131,24 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     def graph_engine(self) -> GraphEngine:
         """The engine of the fast path (cache, kernels, graphs, runners), built on first use and again once the
-        weights moved or were replaced."""
+        weights moved or were replaced. A ValueError names the format of linears quantized in a way the kernels do
+        not take."""
+        engine = self._current_engine()
+        if engine is None:
+            raise ValueError(f"{type(self).__name__} has no fast path for these weights: {unsupported_weights(self)}")
+        return engine
+
+    def _current_engine(self) -> GraphEngine | None:
+        """`graph_engine()`, or None (with a warning naming the format) where the kernels do not take the weights."""
         engine = self._engine
         if engine is None or not engine.current(self):
             # The old cache and graphs are freed before new ones are allocated.
             self._engine = engine = self.model.visual.runner = None
+            unsupported = unsupported_weights(self)
+            if unsupported is not None:
+                logger.warning_once(f"{type(self).__name__}: {unsupported}; transformers' own modules and generation "
+                                    "loop run this model.")
+                return None
             with torch.inference_mode(False):  # buffers that later calls update in place, inside inference mode or not
                 self._engine = engine = GraphEngine(self)
         return engine
@@ -170,8 +189,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ):
+        if self._engine is None:  # no fast path for these weights (`generate`)
+            return super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
         blocker = self._static_loop_blocker(generation_config, model_kwargs, generation_mode)
-        cache = self._engine.cache  # current: `generate` called `graph_engine()` under its lock
+        cache = self._engine.cache  # current: `generate` called `_current_engine()` under its lock
         resumed = model_kwargs.get(CACHE_KWARG) is cache
         if blocker is not None:
             logger.warning_once(f"{type(self).__name__}: {blocker} runs transformers' stock generation loop.")
@@ -219,8 +242,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         **model_kwargs,
     ):
         engine = self._engine
-        cache = engine.cache
-        static = model_kwargs.get(CACHE_KWARG) is cache
+        cache = engine.cache if engine is not None else None
+        static = engine is not None and model_kwargs.get(CACHE_KWARG) is cache
         start = _cached_prefix(cache, input_ids, model_kwargs) if static else None
         if synced_gpus or start is None:
             if static:  # transformers' loop on the static cache: what it then holds is not recorded

@@ -11,6 +11,7 @@ from collections import namedtuple
 import torch
 import torch.nn.functional as F
 
+from .fp8_qwen3vl_graph import SCALE_COLS, Fp8Weight
 from .ops_norm_qwen3vl_graph import _load_summed, _store_rms_norm
 from .ops_rotary_qwen3vl_graph import _head_weights, _norm_rope, _rope_tables
 from .triton_qwen3vl_graph import (
@@ -29,7 +30,9 @@ SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num
 
 
 def linear_reference(x, weight, bias=None):
-    """`x @ weight.T (+ bias)`: the step's projections."""
+    """`x @ weight.T (+ bias)`: the step's projections (an `Fp8Weight` dequantized to x's dtype for the call)."""
+    if isinstance(weight, Fp8Weight):
+        weight, bias = weight.dequantize(x.dtype), None if bias is None else bias.to(x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -41,7 +44,7 @@ def silu_mul_reference(gate_up):
 
 def linear_gelu_tanh_reference(x, weight, bias):
     """The vision MLP's first projection and its tanh-approximated GELU (`gelu_pytorch_tanh`)."""
-    return F.gelu(F.linear(x, weight, bias), approximate="tanh")
+    return F.gelu(linear_reference(x, weight, bias), approximate="tanh")
 
 
 if triton is not None:
@@ -57,11 +60,15 @@ if triton is not None:
         tl.store(out + row * n_cols + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _gemv_tile(x, weight, rows, weight_rows, live_rows, k_len, k_start, k_split, stride_x, stride_w,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_tile(x, weight, scale, rows, weight_rows, live_rows, k_len, k_start, k_split, stride_x, stride_w,
+                   stride_s, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr):
         """`weight[weight_rows] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most
         ROWS rows of x (`live_rows` masks the weight rows): each weight tile is read once, coalesced along K, and serves
-        every row (the narrow side of a `tl.dot`, padded to ROWS, its minimum)."""
+        every row (the narrow side of a `tl.dot`, padded to ROWS, its minimum).
+
+        SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). A
+        tile (BLOCK_K divides 128) lies in one block column: its FP8 values, exact in x's dtype, meet x in a `tl.dot`
+        and the float32 product is scaled per row."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
@@ -71,14 +78,19 @@ if triton is not None:
             live = live_rows[:, None] & (ks[None, :] < k_len)
             x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
                           other=0.0)
-            acc = tl.dot(tl.load(weight + tile, mask=live, other=0.0), x_t, acc)
+            w = tl.load(weight + tile, mask=live, other=0.0)
+            if SCALE_ROWS:
+                s = tl.load(scale + weight_rows // SCALE_ROWS * stride_s + start // 128, mask=live_rows, other=0.0)
+                acc += tl.dot(w.to(x_t.dtype), x_t) * s[:, None]
+            else:
+                acc = tl.dot(w, x_t, acc)
         return acc
 
     @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
-        x, weight, out, rows, n_cols, k_len, k_split, stride_x, stride_w,
+        x, weight, scale, out, rows, n_cols, k_len, k_split, stride_x, stride_w, stride_s,
         hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SWIGLU: tl.constexpr,
         ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
     ):
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
@@ -113,8 +125,8 @@ if triton is not None:
             _wait_then_release(PDL)
             tile_rows = tl.arange(0, BLOCK_N)
             cols = tl.program_id(0) * (BLOCK_N // 2) + tile_rows % (BLOCK_N // 2)
-            acc = _gemv_tile(x, weight, rows, cols + tile_rows // (BLOCK_N // 2) * n_cols, cols < n_cols, k_len,
-                             split * k_split, k_split, stride_x, stride_w, ROWS, BLOCK_N, BLOCK_K)
+            acc = _gemv_tile(x, weight, scale, rows, cols + tile_rows // (BLOCK_N // 2) * n_cols, cols < n_cols, k_len,
+                             split * k_split, k_split, stride_x, stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, ROWS)), (1, 2, 0)))
             gate = gate.to(out.dtype.element_ty).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up.to(out.dtype.element_ty).to(tl.float32)
@@ -122,8 +134,8 @@ if triton is not None:
         else:
             _wait_then_release(PDL)
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = _gemv_tile(x, weight, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                             ROWS, BLOCK_N, BLOCK_K)
+            acc = _gemv_tile(x, weight, scale, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x,
+                             stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
         if ADD_RMS_NORM:
@@ -145,9 +157,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows", "splits"])
     def _qkv_norm_rope_write_kernel(
-        x, weight, parts, rows, k_len, k_split, stride_x, stride_w, splits, q_weight, k_weight, cos, sin, eps,
-        q_out, keys, values, cache_rows, cache_slots, stride_cache_row, stride_cache_head, stride_cache_slot, tickets,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HEADS: tl.constexpr,
+        x, weight, scale, parts, rows, k_len, k_split, stride_x, stride_w, stride_s, splits, q_weight, k_weight, cos, sin,
+        eps, q_out, keys, values, cache_rows, cache_slots, stride_cache_row, stride_cache_head, stride_cache_slot, tickets,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
         """The fused QKV projection of a few rows then `qk_norm_rope_write`, in one launch: programs as the skinny
@@ -158,8 +170,8 @@ if triton is not None:
         n_cols = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
-        acc = _gemv_tile(x, weight, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                         ROWS, BLOCK_N, BLOCK_K)
+        acc = _gemv_tile(x, weight, scale, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
+                         stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS)
         row_ids = tl.arange(0, ROWS)
         tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
         head = tl.program_id(0) * BLOCK_N // HEAD_DIM
@@ -210,8 +222,22 @@ def skinny(x, weight) -> bool:
 
 
 def matmul_shape(x, weight) -> str:
-    """A measured choice's shape description: rows x K -> N, dtype."""
-    return f"{x.shape[0]}x{weight.shape[1]}->{weight.shape[0]} {str(x.dtype).removeprefix('torch.')}"
+    """A measured choice's shape description: rows x K -> N, dtype (and the weight's, where it differs)."""
+    dtypes = [str(x.dtype).removeprefix("torch.")] + (["fp8 blocks"] if isinstance(weight, Fp8Weight) else [])
+    return f"{x.shape[0]}x{weight.shape[1]}->{weight.shape[0]} {' x '.join(dtypes)}"
+
+
+def weight_operands(weight) -> tuple:
+    """A weight as the kernels take it: (matrix, scales, scales' row stride, SCALE_ROWS); SCALE_ROWS is 0 for a 16-bit
+    matrix (the scale arguments are then unused)."""
+    if isinstance(weight, Fp8Weight):
+        return weight.data, weight.scale, weight.scale.stride(0), weight.scale_rows
+    return weight, weight, 0, 0
+
+
+def check_fp8_tiling(weight, block_k) -> None:
+    if isinstance(weight, Fp8Weight) and SCALE_COLS % block_k:
+        raise ValueError(f"an FP8 weight's tiles must lie within its {SCALE_COLS}-input scale blocks: block_k {block_k}")
 
 
 def skinny_config(n, k, sms, block_n=64, block_k=128, can_split=True) -> SkinnyConfig:
@@ -247,6 +273,8 @@ def preload_config(weight, block_n=64, tile_bytes=64 * 1024):
     """A preloaded tiling for `weight` on its device (see `_skinny_matmul_kernel`): `block_n` x (K range) tiles of
     `tile_bytes` (staged in shared memory: two programs fit an SM), or None where they would take more than two
     programs per SM (then some would load after the wait anyway)."""
+    if isinstance(weight, Fp8Weight):  # a tile spans one scale block: K steps of 128
+        return None
     n, k = weight.shape
     block_k = tile_bytes // (block_n * weight.element_size())
     split = triton.cdiv(k, block_k)
@@ -264,7 +292,7 @@ def split_configs(weight) -> list:
 
 def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, partials=False, ticket=None):
     """`x @ weight.T` in x's dtype (float32 accumulation) for `x` (M <= SKINNY_ROWS, K), `weight` (N, K), both
-    unit-stride along K; `config` (a SkinnyConfig) overrides the rule. `swiglu`: `weight` is a fused gate/up
+    unit-stride along K (or an `Fp8Weight`); `config` (a SkinnyConfig) overrides the rule. `swiglu`: `weight` is a fused gate/up
     matrix and the result is SwiGLU of the product, `(M, N / 2)` (`config.block_n` counts a tile's weight rows,
     half of them gate rows). `add_rms_norm`: (hidden, norm weight, eps); returns `add_rms_norm(hidden, x @
     weight.T, ...)` instead, from the same launch, whose last program `ticket` (a counter at zero, left at zero)
@@ -281,6 +309,7 @@ def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, parti
     if config.preload and (swiglu or k_split != config.block_k):
         raise ValueError(f"a preloaded tile spans a program's whole K range: block_k must be {k_split}, "
                          "without SwiGLU")
+    check_fp8_tiling(weight, config.block_k)
     fused_norm = add_rms_norm is not None
     if fused_norm and ticket is None:
         raise ValueError("the add-and-norm epilogue needs a ticket (a counter of finished programs)")
@@ -289,10 +318,11 @@ def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, parti
              else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device))
     hidden, norm_weight, eps = add_rms_norm if fused_norm else (out, out, 0.0)
     sums = torch.empty_like(hidden) if fused_norm else out
+    matrix, scale, stride_s, scale_rows = weight_operands(weight)
     launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n // 2 if swiglu else config.block_n), splits),
-        x, weight, parts, rows, n, k, k_split, x.stride(0), weight.stride(0),
+        x, matrix, scale, parts, rows, n, k, k_split, x.stride(0), matrix.stride(0), stride_s,
         hidden, norm_weight, sums, out, eps, ticket if fused_norm else out, splits,
-        ROWS=SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWIGLU=swiglu,
+        ROWS=SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows, SWIGLU=swiglu,
         ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), PRELOAD=config.preload,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -312,15 +342,17 @@ def fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, 
     rows, k = x.shape
     n, (kv_heads, head_dim) = qkv_weight.shape[0], keys.shape[1::2]
     block_n = min(config.block_n, head_dim)
+    check_fp8_tiling(qkv_weight, config.block_k)
     k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_split)
     parts = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     q = torch.empty(rows, heads, head_dim, dtype=x.dtype, device=x.device)
     (q_weight, k_weight, eps), (cos, sin) = qk_norms, rotary
+    matrix, scale, stride_s, scale_rows = weight_operands(qkv_weight)
     launch(_qkv_norm_rope_write_kernel, (n // block_n, splits),
-        x, qkv_weight, parts, rows, k, k_split, x.stride(0), qkv_weight.stride(0), splits, q_weight, k_weight, cos,
-        sin, eps, q, keys, values, cache_rows, cache_slots, keys.stride(0), keys.stride(1), keys.stride(2),
-        tickets, ROWS=SKINNY_ROWS, BLOCK_N=block_n, BLOCK_K=config.block_k,
+        x, matrix, scale, parts, rows, k, k_split, x.stride(0), matrix.stride(0), stride_s, splits, q_weight, k_weight,
+        cos, sin, eps, q, keys, values, cache_rows, cache_slots, keys.stride(0), keys.stride(1), keys.stride(2),
+        tickets, ROWS=SKINNY_ROWS, BLOCK_N=block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return q

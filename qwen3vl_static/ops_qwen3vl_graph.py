@@ -21,6 +21,8 @@ from .ops_attention_qwen3vl_graph import (
     decode_attention,
     decode_attention_reference,
 )
+from .fp8_qwen3vl_graph import Fp8Weight
+from .ops_fp8_matmul_qwen3vl_graph import fp8_matmul, fp8_matmul_configs
 from .ops_matmul_qwen3vl_graph import (
     fused_qkv,
     linear_gelu_tanh,
@@ -139,7 +141,6 @@ class TritonOps(TorchOps):
     vision_qkv_rope = staticmethod(vision_qkv_rope)
     silu_mul = staticmethod(silu_mul)
     add_layer_norm = staticmethod(add_layer_norm)
-    linear_gelu_tanh = staticmethod(linear_gelu_tanh)
 
     def ticket(self, device, count=1) -> torch.Tensor:
         """`count` of the device's counters of finished programs, for kernels whose last program (of all, or of each
@@ -154,13 +155,28 @@ class TritonOps(TorchOps):
     def linear(self, x, weight, bias=None):
         """cuBLAS or the skinny Triton matmul, whichever measured faster on this device for these (M, N, K, dtype).
         The skinny matmul runs at the rule's tiling with a 4- or a 6-stage pipeline: on an H200, 6 stages win for the
-        split projections (o_proj, down_proj, QKV) and 4 for gate/up. A bias (no Qwen3-VL checkpoint has one) keeps
-        cuBLAS, which adds it."""
+        split projections (o_proj, down_proj, QKV) and 4 for gate/up. A bias (the text model has none) keeps cuBLAS,
+        which adds it. An `Fp8Weight` takes the skinny matmul for a few rows without bias, else the FP8 tiled matmul
+        (`fp8_matmul`), each at its measured tiling (cuBLAS has no FP8-weight x 16-bit-activation product)."""
+        if isinstance(weight, Fp8Weight):
+            if bias is None and skinny(x, weight):
+                configs = stage_configs(rule_config(weight))
+                candidates = [lambda config=config: skinny_matmul(x, weight, config) for config in configs]
+            else:
+                candidates = [lambda config=config: fp8_matmul(x, weight, bias, config)
+                              for config in fp8_matmul_configs(x.shape[0])]
+            return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
         if bias is not None or not skinny(x, weight):
             return F.linear(x, weight, bias)
         candidates = (lambda: F.linear(x, weight), *(lambda config=config: skinny_matmul(x, weight, config)
                                                       for config in stage_configs(rule_config(weight))))
         return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
+
+    def linear_gelu_tanh(self, x, weight, bias):
+        """`linear_gelu_tanh` (cuBLASLt's GELU epilogue); for an `Fp8Weight`, the measured projection then GELU."""
+        if isinstance(weight, Fp8Weight):
+            return F.gelu(self.linear(x, weight, bias), approximate="tanh")
+        return linear_gelu_tanh(x, weight, bias)
 
     def linear_swiglu(self, x, gate_up_weight):
         """The gate/up projection then the SwiGLU kernel, or one skinny matmul with SwiGLU as its epilogue (4 or 6

@@ -170,7 +170,7 @@ class PrefillRunner(GraphRunner):
 
         def attend(layer, keys, values, x):
             # The same fused QK-norm / rotary / cache-write op as a decode step, over every token of the prompt.
-            q = ops.qk_norm_rope_write(F.linear(x, layer.qkv), layer.heads, *layer.qk_norms, rotary, keys, values,
+            q = ops.qk_norm_rope_write(ops.linear(x, layer.qkv), layer.heads, *layer.qk_norms, rotary, keys, values,
                                        cache_rows, cache_slots)
             q = q.view(rows, size, layer.heads, -1).transpose(1, 2)
             k, v = keys[:rows, :, :kv_slots], values[:rows, :, :kv_slots]
@@ -188,7 +188,7 @@ class PrefillRunner(GraphRunner):
         x = ops.rms_norm(hidden, *text.first_norm)
         x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend, added)
         x = x.view(rows, size, -1).index_select(1, last)[:, 0]
-        return F.linear(x, text.lm_head).float()
+        return ops.linear(x, text.lm_head).float()
 
     def warmup_keys(self, batch_sizes, prompt_lengths) -> list:
         """The graphs these sizes use, largest first (for `model.warmup` to capture): (rows, tokens, KV slots, masked),

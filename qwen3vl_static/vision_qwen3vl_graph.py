@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel, Qwen3VLVisionPatchEmbed
 
 from .compat_qwen3vl_graph import vision_output, vision_tables
+from .fp8_qwen3vl_graph import linear_weight
 from .runner_qwen3vl_graph import GraphRunner, bucket_of
 
 
@@ -295,8 +296,18 @@ class VisionRunner(GraphRunner):
         Returns (last hidden states, merged tokens, DeepStack features). Attention follows `mask` (None: every patch
         sees every patch); `cu_seqlens` (the segments) is set where the stock attention runs instead (not sdpa, or
         too many patches for a mask). Each block is the stock block's math with its residual adds fused into the
-        LayerNorm that follows (the next block's `norm1` for the second one)."""
+        LayerNorm that follows (the next block's `norm1` for the second one). Linears run through the ops on their
+        weights as `linear_weight` gives them (FP8 ones on their FP8 bytes)."""
         ops, blocks = self.ops, self.blocks
+
+        def linear(module, x):
+            return ops.linear(x, linear_weight(module), module.bias)
+
+        def merge(merger, hidden):  # the stock patch merger's math
+            x = merger.norm(hidden.view(-1, merger.hidden_size) if merger.use_postshuffle_norm else hidden)
+            x = x.view(-1, merger.hidden_size)
+            return linear(merger.linear_fc2, merger.act_fn(linear(merger.linear_fc1, x)))
+
         hidden = self.patch_embed(pixels) + positions
         x = blocks[0].norm1(hidden)
         deepstack = []
@@ -305,23 +316,23 @@ class VisionRunner(GraphRunner):
             if cu_seqlens is not None:
                 attn_out = attn(x, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
             else:  # q/k rotary in one kernel: the stock rotary is a dozen elementwise passes in float32 per block
-                q, k, v = ops.vision_qkv_rope(attn.qkv(x), attn.num_heads, cos, sin)
+                q, k, v = ops.vision_qkv_rope(linear(attn.qkv, x), attn.num_heads, cos, sin)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
-                attn_out = attn.proj(out[0].transpose(0, 1).reshape(x.shape[0], -1))
+                attn_out = linear(attn.proj, out[0].transpose(0, 1).reshape(x.shape[0], -1))
             hidden, x = ops.add_layer_norm(hidden, attn_out, norm.weight, norm.bias, norm.eps)
             if self.gelu_tanh:
-                up = ops.linear_gelu_tanh(x, mlp.linear_fc1.weight, mlp.linear_fc1.bias)
+                up = ops.linear_gelu_tanh(x, linear_weight(mlp.linear_fc1), mlp.linear_fc1.bias)
             else:
-                up = mlp.act_fn(mlp.linear_fc1(x))
-            mlp_out = mlp.linear_fc2(up)
+                up = mlp.act_fn(linear(mlp.linear_fc1, x))
+            mlp_out = linear(mlp.linear_fc2, up)
             if index + 1 < len(blocks):
                 norm = blocks[index + 1].norm1
                 hidden, x = ops.add_layer_norm(hidden, mlp_out, norm.weight, norm.bias, norm.eps)
             else:
                 hidden = hidden + mlp_out
             if index in self.deepstack_mergers:
-                deepstack.append(self.deepstack_mergers[index](hidden))
-        return hidden, self.merger(hidden), deepstack
+                deepstack.append(merge(self.deepstack_mergers[index], hidden))
+        return hidden, merge(self.merger, hidden), deepstack
 
     def warmup_keys(self, patch_counts=None) -> list:
         """The (patches, masked) graphs for these patch counts, largest first: for each count, its exact size (one

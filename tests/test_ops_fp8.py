@@ -1,0 +1,156 @@
+"""FP8 weights in the kernels (fp8_qwen3vl_graph.py, ops_fp8_matmul_qwen3vl_graph.py and the FP8 tiles of the skinny
+matmul): every form against the torch reference on the dequantized matrix."""
+
+import pytest
+import torch
+from ops_checks import (
+    DEVICE,
+    DTYPES,
+    TOLERANCE,
+    Torch,
+    Triton,
+    assert_close_at_scale,
+    assert_matmul_close,
+    needs_triton,
+    poisoned_empty,
+    randn,
+)
+from torch import nn
+
+from qwen3vl_static import ops_matmul_qwen3vl_graph as matmul
+from qwen3vl_static.fp8_qwen3vl_graph import Fp8Weight, fused_fp8_scales, linear_weight
+from qwen3vl_static.fp8_quantize import dequantize_blocks, fp8_linear, quantize_blocks
+from qwen3vl_static.ops_fp8_matmul_qwen3vl_graph import Fp8MatmulConfig, fp8_matmul
+from qwen3vl_static.ops_norm_qwen3vl_graph import rms_norm_reference
+from qwen3vl_static.ops_rotary_qwen3vl_graph import qk_norm_rope_write
+
+
+def random_fp8(n, k, scale_rows=128, dtype=torch.float32) -> Fp8Weight:
+    """An FP8 matrix of random bytes and random block scales (several scale rows and columns, partial edge blocks)."""
+    data = (torch.randn(n, k, device=DEVICE) * 64).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) / 256 + 1 / 1024
+    return Fp8Weight(data, scale, scale_rows)
+
+
+def reference(x, weight, bias=None):
+    """The projection on the float32 dequantized matrix."""
+    return matmul.linear_reference(x.float(), weight.dequantize(torch.float32), None if bias is None else bias.float())
+
+
+def test_dequantize_matches_the_checkpoint_format():
+    weight = torch.randn(200, 300, device=DEVICE)
+    data, scale = quantize_blocks(weight)
+    assert data.dtype == torch.float8_e4m3fn and scale.shape == (2, 3)
+    torch.testing.assert_close(Fp8Weight(data, scale, 128).dequantize(torch.float32), dequantize_blocks(data, scale))
+    torch.testing.assert_close(dequantize_blocks(data, scale), weight, rtol=0.07, atol=1e-4)  # 3 mantissa bits
+
+
+def test_fused_parts_keep_their_scales():
+    """q/k/v parts narrower than a block (64, 32, 32 rows): the fused matrix repeats each part's scales at 32-row
+    height, so it dequantizes to the parts stacked."""
+    linears = [fp8_linear(nn.Linear(160, rows, bias=False, device=DEVICE)) for rows in (64, 32, 32)]
+    scale, scale_rows = fused_fp8_scales(linears)
+    assert scale_rows == 32 and scale.shape == (4, 2)
+    fused = Fp8Weight(torch.cat([linear.weight for linear in linears]), scale, scale_rows)
+    parts = torch.cat([linear_weight(linear).dequantize(torch.float32) for linear in linears])
+    torch.testing.assert_close(fused.dequantize(torch.float32), parts, rtol=0, atol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("scale_rows", [128, 32])
+@pytest.mark.parametrize("block_k, split_k", [(32, 1), (128, 2)], ids=["quarter-block-tiles", "split-k"])
+def test_skinny_matmul_on_fp8_tiles(dtype, rows, scale_rows, block_k, split_k):
+    x, weight = randn(rows, 300, dtype=dtype), random_fp8(200, 300, scale_rows)
+    config = matmul.SkinnyConfig(block_n=32, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2)
+    with poisoned_empty():
+        out = matmul.skinny_matmul(x, weight, config)
+    assert_close_at_scale(out, reference(x, weight))
+
+
+@needs_triton
+def test_fp8_tiles_stay_within_a_scale_block():
+    x, weight = randn(1, 512, dtype=torch.float32), random_fp8(64, 512)
+    with pytest.raises(ValueError, match="scale blocks"):
+        matmul.skinny_matmul(x, weight, matmul.SkinnyConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=2))
+    assert matmul.preload_config(weight) is None
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_epilogues(dtype):
+    """SwiGLU and add-and-RMSNorm epilogues of the skinny matmul on FP8 tiles."""
+    rows = 3
+    x = randn(rows, 256, dtype=dtype)
+    gate_up = random_fp8(2 * 96, 256, scale_rows=32)
+    config = matmul.SkinnyConfig(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+    with poisoned_empty():
+        out = matmul.skinny_matmul(x, gate_up, config, swiglu=True)
+    expected = matmul.silu_mul_reference(reference(x, gate_up))
+    assert_close_at_scale(out, expected)
+    weight, hidden, norm_weight = random_fp8(100, 256), randn(rows, 100, dtype=dtype), randn(100, dtype=dtype)
+    with poisoned_empty():
+        total, normed = matmul.skinny_matmul(x, weight, config._replace(split_k=2), add_rms_norm=(hidden, norm_weight, 1e-6),
+                                             ticket=Triton.ticket(x.device))
+    assert_close_at_scale(total, hidden.float() + reference(x, weight))
+    torch.testing.assert_close(normed, rms_norm_reference(total, norm_weight, 1e-6), **TOLERANCE[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
+def test_fp8_qkv_norm_rope_write(dtype, form):
+    rows, heads, kv_heads, dim, hidden, slots = 2, 4, 2, 32, 256, 8
+    x, qkv = randn(rows, hidden, dtype=dtype), random_fp8((heads + 2 * kv_heads) * dim, hidden, scale_rows=64)
+    qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
+    cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
+    cache_rows, cache_slots = torch.arange(rows, device=DEVICE), torch.tensor([5, 0], device=DEVICE)
+    keys = torch.zeros(rows, kv_heads, slots, dim, dtype=dtype, device=DEVICE)
+    values = torch.zeros_like(keys)
+    k_ref, v_ref = keys.float(), values.float()
+    q_ref = Torch.qk_norm_rope_write(reference(x, qkv), heads, *(w.float() for w in qk_norms[:2]), qk_norms[2],
+                                     Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_rows, cache_slots)
+    config = matmul.SkinnyConfig(block_n=16, block_k=128, split_k=2, num_warps=4, num_stages=2)
+    with poisoned_empty():
+        if form == "fused":
+            q = matmul.fused_qkv(x, qkv, heads, qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows, cache_slots,
+                                 config, Triton.ticket(x.device, heads + 2 * kv_heads))
+        else:
+            q = qk_norm_rope_write(matmul.skinny_matmul(x, qkv, config, partials=True), heads, *qk_norms,
+                                   Triton.rotary(cos, sin), keys, values, cache_rows, cache_slots)
+    assert_close_at_scale(q, q_ref)
+    assert_close_at_scale(keys, k_ref)
+    assert_close_at_scale(values, v_ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [20, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_matmul(dtype, rows, bias):
+    """The tiled FP8 matmul of many rows (partial row, column and K tiles; 64-row scale blocks of a fused matrix)."""
+    x, weight = randn(rows, 300, dtype=dtype), random_fp8(200, 300, scale_rows=64)
+    b = randn(200, dtype=dtype) if bias else None
+    for config in (Fp8MatmulConfig(16 if rows < 64 else 64, 64, 4, 2), None):
+        with poisoned_empty():
+            out = fp8_matmul(x, weight, b, config)
+        assert_close_at_scale(out, reference(x, weight, b))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [2, 40])
+def test_op_sets_take_fp8_weights(dtype, rows):
+    """The measured compositions of both op sets on an `Fp8Weight`: linear (with a bias too), SwiGLU, add-and-norm,
+    the vision MLP's GELU projection."""
+    x, weight, bias = randn(rows, 256, dtype=dtype), random_fp8(128, 256), randn(128, dtype=dtype)
+    hidden, norm_weight = randn(rows, 128, dtype=dtype), randn(128, dtype=dtype)
+    for ops in (Torch, Triton):
+        assert_close_at_scale(ops.linear(x, weight), reference(x, weight))
+        assert_close_at_scale(ops.linear(x, weight, bias), reference(x, weight, bias))
+        assert_close_at_scale(ops.linear_swiglu(x, weight), matmul.silu_mul_reference(reference(x, weight)))
+        total, _ = ops.linear_add_rms_norm(x, weight, None, hidden, norm_weight, 1e-6)
+        assert_close_at_scale(total, hidden.float() + reference(x, weight))
+        assert_matmul_close(ops.linear_gelu_tanh(x, weight, bias), (x, weight.dequantize(dtype), bias),
+                            matmul.linear_gelu_tanh_reference)
