@@ -47,6 +47,17 @@ def fuse_weights(linears):
     return fused
 
 
+def projections(text_model, lm_head) -> list:
+    """Every linear layer of the language model, lm_head last."""
+    return [linear for layer in text_model.layers
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)] + [lm_head]
+
+
+def linear_addresses(text_model, lm_head) -> list:
+    return [linear.weight.data_ptr() for linear in projections(text_model, lm_head)]
+
+
 class TextWeights:
     def __init__(self, text_model, lm_head):
         layers = text_model.layers
@@ -75,15 +86,13 @@ class TextWeights:
                 gate_up=gate_up, down_proj=(linear_weight(mlp.down_proj), mlp.down_proj.bias),
                 next_norm=(next_norm.weight, next_norm.variance_epsilon),
             ))
-        self.addresses = self.linear_addresses()
+        self.addresses = linear_addresses(text_model, lm_head)
 
-    def linear_addresses(self) -> list:
-        return [linear.weight.data_ptr() for linears in self.fused_linears for linear in linears]
-
-    def current(self) -> bool:
-        """False once the model's weights were replaced (e.g. moved): the engine must be rebuilt. (Checked on every
-        `generate`, so by address: the fused views and the graphs both hold these addresses.)"""
-        return self.linear_addresses() == self.addresses
+    def current(self, text_model, lm_head) -> bool:
+        """False once the model's weights or linear modules were replaced (moved, quantized): the engine must be
+        rebuilt. (Checked on every `generate`, so by address: the fused views and the graphs both hold these
+        addresses.)"""
+        return linear_addresses(text_model, lm_head) == self.addresses
 
     @contextmanager
     def separate_weights(self):

@@ -60,7 +60,7 @@ class GraphEngine:
     def current(self, model) -> bool:
         """Whether the engine still matches the model's weights (device, dtype, the very tensors)."""
         weight = model.model.language_model.embed_tokens.weight
-        return ((weight.device, weight.dtype) == (self.device, self.dtype) and self.text.current()
+        return ((weight.device, weight.dtype) == (self.device, self.dtype) and self.text.current(model.model.language_model, model.lm_head)
                 and self.vision.current())
 
     def set_graphs(self, enabled: bool) -> None:

@@ -105,3 +105,18 @@ def save_fp8_checkpoint(model, directory, modules_to_not_convert=NOT_CONVERTED, 
     config["quantization_config"] = quantization_config_dict(modules_to_not_convert, block)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
+
+
+def dequantized_state_dict(model, dtype=None) -> dict:
+    """`model`'s state dict with each FP8 weight replaced by the matrix it stands for (in `dtype`, default the model's)
+    and the scales dropped: what stock transformers loads to run an FP8 checkpoint dequantized."""
+    state = model.state_dict()
+    dtype = dtype or model.dtype
+    out = {}
+    for key, value in state.items():
+        if key.endswith("weight_scale_inv"):
+            continue
+        if value.dtype == torch.float8_e4m3fn:
+            value = dequantize_blocks(value, state[key.removesuffix("weight") + "weight_scale_inv"], dtype)
+        out[key] = value
+    return out

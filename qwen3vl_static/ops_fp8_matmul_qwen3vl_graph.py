@@ -1,10 +1,9 @@
-"""The FP8 projection of many rows (prefill, the vision tower): a tiled Triton matmul that dequantizes each FP8
-weight tile in registers and multiplies on the 16-bit tensor cores, and its tilings. (Its torch reference is
-`linear_reference`, which dequantizes the weight for the call.)
-
-Activations stay in their 16-bit dtype (no activation quantization): each 128-input block's float32 product is
-scaled by the block's weight scale, so the result is `x @ dequantized(weight).T` with float32 accumulation, as the
-decode step's skinny matmul computes it. (A few rows take the skinny matmul instead: `TritonOps.linear`.)
+"""The FP8 projection of many rows (prefill, the vision tower), in two forms the op sets measure against each other:
+a tiled Triton matmul that dequantizes each FP8 weight tile in registers and multiplies on the 16-bit tensor cores,
+and the matrix dequantized into a transient buffer for cuBLAS. Both compute `x @ dequantized(weight).T` (the weight
+scaled per block and rounded to x's dtype, as transformers dequantizes FP8 checkpoints) with float32 accumulation;
+activations are not quantized. (A few rows take the skinny matmul instead: `TritonOps.linear`. The torch reference
+is `linear_reference`.)
 """
 
 from collections import namedtuple
@@ -48,7 +47,7 @@ if triton is not None:
             w = tl.load(weight + cols[None, :] * stride_w + ks[:, None], mask=live_k[:, None] & live_cols[None, :],
                         other=0.0)
             s = tl.load(scale + cols // SCALE_ROWS * stride_s + start // BLOCK_K, mask=live_cols, other=0.0)
-            acc += tl.dot(a, w.to(a.dtype)) * s[None, :]
+            acc = tl.dot(a, (w.to(tl.float32) * s[None, :]).to(a.dtype), acc)
         if HAS_BIAS:
             acc += tl.load(bias + cols, mask=live_cols, other=0.0).to(tl.float32)[None, :]
         tl.store(out + row_ids[:, None] * stride_out + cols[None, :], acc.to(out.dtype.element_ty),
@@ -56,13 +55,11 @@ if triton is not None:
 
 
 def fp8_matmul_configs(rows: int) -> list:
-    """The tilings an FP8 projection of `rows` rows is measured at: 128 x 128 tiles, and 64-row tiles (more programs
-    where the rows are few), each with two pipeline depths; narrow tiles for a few rows."""
+    """The tilings an FP8 projection of `rows` rows is measured at: 128 x 64 and 128 x 128 tiles (on an H200 the
+    fastest of eight tilings for the 2B projections at 256 rows); narrow row tiles for a few rows."""
     if rows <= 64:
-        block_m = max(16, triton.next_power_of_2(rows))
-        return [Fp8MatmulConfig(block_m, 128, 4, stages) for stages in (3, 5)]
-    return [Fp8MatmulConfig(128, 128, 8, 3), Fp8MatmulConfig(128, 128, 8, 4), Fp8MatmulConfig(64, 128, 4, 4),
-            Fp8MatmulConfig(64, 128, 4, 5)]
+        return [Fp8MatmulConfig(max(16, triton.next_power_of_2(rows)), 64, 4, 4)]
+    return [Fp8MatmulConfig(128, 64, 4, 4), Fp8MatmulConfig(128, 128, 8, 3)]
 
 
 def fp8_matmul(x, weight, bias=None, config=None):
@@ -79,4 +76,28 @@ def fp8_matmul(x, weight, bias=None, config=None):
         SCALE_ROWS=weight.scale_rows, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=SCALE_COLS, GROUP=GROUP_M, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dequantize_kernel(weight, scale, out, n_cols, k_len, stride_w, stride_s, SCALE_ROWS: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        _wait_then_release(PDL)
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        keep = (rows[:, None] < n_cols) & (ks[None, :] < k_len)
+        w = tl.load(weight + rows[:, None] * stride_w + ks[None, :], mask=keep, other=0.0)
+        s = tl.load(scale + rows // SCALE_ROWS * stride_s + tl.program_id(1), mask=rows < n_cols, other=0.0)
+        tl.store(out + rows[:, None] * k_len + ks[None, :], (w.to(tl.float32) * s[:, None]).to(out.dtype.element_ty),
+                 mask=keep)
+
+
+def dequantize(weight, dtype) -> torch.Tensor:
+    """`weight.dequantize(dtype)` in one launch, into a new (transient) matrix."""
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    launch(_dequantize_kernel, (triton.cdiv(n, 64), triton.cdiv(k, SCALE_COLS)), weight.data, weight.scale, out, n, k,
+           weight.data.stride(0), weight.scale.stride(0), SCALE_ROWS=weight.scale_rows, BLOCK_N=64, BLOCK_K=SCALE_COLS)
     return out

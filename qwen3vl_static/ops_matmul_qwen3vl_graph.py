@@ -25,8 +25,10 @@ from .triton_qwen3vl_graph import (
 SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
 
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
-# `preload`: each program's whole K range is one tile (`block_k` inputs), loaded before the PDL wait.
-SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages preload", defaults=(False,))
+# `preload`: each program's whole K range is one tile (`block_k` inputs), loaded before the PDL wait. `fma`: FP8 tiles
+# are multiplied and added in float32 on the CUDA cores, row by row of x, instead of meeting x in a `tl.dot`.
+SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages preload fma",
+                          defaults=(False, False))
 
 
 def linear_reference(x, weight, bias=None):
@@ -61,14 +63,18 @@ if triton is not None:
 
     @triton.jit
     def _gemv_tile(x, weight, scale, rows, weight_rows, live_rows, k_len, k_start, k_split, stride_x, stride_w,
-                   stride_s, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr):
+                   stride_s, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                   FMA_ROWS: tl.constexpr):
         """`weight[weight_rows] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most
         ROWS rows of x (`live_rows` masks the weight rows): each weight tile is read once, coalesced along K, and serves
         every row (the narrow side of a `tl.dot`, padded to ROWS, its minimum).
 
         SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). A
-        tile (BLOCK_K divides 128) lies in one block column: its FP8 values, exact in x's dtype, meet x in a `tl.dot`
-        and the float32 product is scaled per row."""
+        tile (BLOCK_K divides 128) lies in one block column and one scale per row dequantizes it: scaled and rounded
+        to x's dtype (the dequantized weights) for the `tl.dot`; or, FMA_ROWS > 0 (at least `rows`), its FP8 values
+        (exact in float32) are multiplied and added with each row of x on the CUDA cores and the sums scaled (the FP8
+        tile then goes from the load to the FMAs in registers: on an H200 the conversion for a `tl.dot` costs more
+        than the weight reads)."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
@@ -76,21 +82,30 @@ if triton is not None:
             ks = start + tl.arange(0, BLOCK_K)
             tile = weight_rows[:, None] * stride_w + ks[None, :]
             live = live_rows[:, None] & (ks[None, :] < k_len)
-            x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None], mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len),
-                          other=0.0)
             w = tl.load(weight + tile, mask=live, other=0.0)
-            if SCALE_ROWS:
+            if FMA_ROWS:
                 s = tl.load(scale + weight_rows // SCALE_ROWS * stride_s + start // 128, mask=live_rows, other=0.0)
-                acc += tl.dot(w.to(x_t.dtype), x_t) * s[:, None]
+                w = w.to(tl.float32)
+                for row in tl.static_range(FMA_ROWS):
+                    x_row = tl.load(x + row * stride_x + ks, mask=(ks < k_len) & (row < rows), other=0.0)
+                    part = tl.sum(w * x_row.to(tl.float32)[None, :], axis=1) * s
+                    acc = tl.where(row_ids[None, :] == row, acc + part[:, None], acc)
             else:
-                acc = tl.dot(w, x_t, acc)
+                x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
+                              mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0)
+                if SCALE_ROWS:
+                    s = tl.load(scale + weight_rows // SCALE_ROWS * stride_s + start // 128, mask=live_rows, other=0.0)
+                    acc = tl.dot((w.to(tl.float32) * s[:, None]).to(x_t.dtype), x_t, acc)
+                else:
+                    acc = tl.dot(w, x_t, acc)
         return acc
 
     @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
         x, weight, scale, out, rows, n_cols, k_len, k_split, stride_x, stride_w, stride_s,
         hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SWIGLU: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+        FMA_ROWS: tl.constexpr, SWIGLU: tl.constexpr,
         ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
     ):
         """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
@@ -126,7 +141,8 @@ if triton is not None:
             tile_rows = tl.arange(0, BLOCK_N)
             cols = tl.program_id(0) * (BLOCK_N // 2) + tile_rows % (BLOCK_N // 2)
             acc = _gemv_tile(x, weight, scale, rows, cols + tile_rows // (BLOCK_N // 2) * n_cols, cols < n_cols, k_len,
-                             split * k_split, k_split, stride_x, stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS)
+                             split * k_split, k_split, stride_x, stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS,
+                             FMA_ROWS)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, ROWS)), (1, 2, 0)))
             gate = gate.to(out.dtype.element_ty).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up.to(out.dtype.element_ty).to(tl.float32)
@@ -135,7 +151,7 @@ if triton is not None:
             _wait_then_release(PDL)
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = _gemv_tile(x, weight, scale, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x,
-                             stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS)
+                             stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS, FMA_ROWS)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
         if ADD_RMS_NORM:
@@ -159,7 +175,8 @@ if triton is not None:
     def _qkv_norm_rope_write_kernel(
         x, weight, scale, parts, rows, k_len, k_split, stride_x, stride_w, stride_s, splits, q_weight, k_weight, cos, sin,
         eps, q_out, keys, values, cache_rows, cache_slots, stride_cache_row, stride_cache_head, stride_cache_slot, tickets,
-        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr, HEADS: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+        FMA_ROWS: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
         """The fused QKV projection of a few rows then `qk_norm_rope_write`, in one launch: programs as the skinny
@@ -171,7 +188,7 @@ if triton is not None:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         acc = _gemv_tile(x, weight, scale, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                         stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS)
+                         stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS, FMA_ROWS)
         row_ids = tl.arange(0, ROWS)
         tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
         head = tl.program_id(0) * BLOCK_N // HEAD_DIM
@@ -235,9 +252,19 @@ def weight_operands(weight) -> tuple:
     return weight, weight, 0, 0
 
 
-def check_fp8_tiling(weight, block_k) -> None:
-    if isinstance(weight, Fp8Weight) and SCALE_COLS % block_k:
-        raise ValueError(f"an FP8 weight's tiles must lie within its {SCALE_COLS}-input scale blocks: block_k {block_k}")
+def check_fp8_tiling(weight, config) -> None:
+    if not isinstance(weight, Fp8Weight):
+        if config.fma:
+            raise ValueError("the FMA form multiplies FP8 tiles: it takes an Fp8Weight")
+        return
+    if SCALE_COLS % config.block_k:
+        raise ValueError(f"an FP8 weight's tiles must lie within its {SCALE_COLS}-input scale blocks: block_k "
+                         f"{config.block_k}")
+
+
+def fma_rows(config, rows) -> int:
+    """The FMA form's unrolled row count (a power of two, so few variants compile), or 0 for the `tl.dot` form."""
+    return triton.next_power_of_2(rows) if config.fma else 0
 
 
 def skinny_config(n, k, sms, block_n=64, block_k=128, can_split=True) -> SkinnyConfig:
@@ -264,9 +291,13 @@ def rule_config(weight, can_split=True) -> SkinnyConfig:
     return skinny_config(*weight.shape, sm_count(weight.device), can_split=can_split)
 
 
-def stage_configs(rule) -> tuple:
-    """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection is measured at."""
-    return rule._replace(num_stages=4), rule._replace(num_stages=6)
+def stage_configs(rule, weight=None) -> tuple:
+    """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection is measured at (for an
+    `Fp8Weight`, each in the `tl.dot` and in the FMA form)."""
+    stages = rule._replace(num_stages=4), rule._replace(num_stages=6)
+    if isinstance(weight, Fp8Weight):
+        return stages + tuple(config._replace(fma=True) for config in stages)
+    return stages
 
 
 def preload_config(weight, block_n=64, tile_bytes=64 * 1024):
@@ -285,9 +316,12 @@ def preload_config(weight, block_n=64, tile_bytes=64 * 1024):
 
 def split_configs(weight) -> list:
     """The skinny matmul's rule for `weight` on its device, and the same with half the K split: the tilings a
-    fused epilogue is measured at."""
+    fused epilogue is measured at (for an `Fp8Weight`, each in the `tl.dot` and in the FMA form)."""
     rule = rule_config(weight)
-    return list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
+    configs = list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
+    if isinstance(weight, Fp8Weight):
+        return configs + [config._replace(fma=True) for config in configs]
+    return configs
 
 
 def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, partials=False, ticket=None):
@@ -309,7 +343,7 @@ def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, parti
     if config.preload and (swiglu or k_split != config.block_k):
         raise ValueError(f"a preloaded tile spans a program's whole K range: block_k must be {k_split}, "
                          "without SwiGLU")
-    check_fp8_tiling(weight, config.block_k)
+    check_fp8_tiling(weight, config)
     fused_norm = add_rms_norm is not None
     if fused_norm and ticket is None:
         raise ValueError("the add-and-norm epilogue needs a ticket (a counter of finished programs)")
@@ -322,7 +356,8 @@ def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, parti
     launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n // 2 if swiglu else config.block_n), splits),
         x, matrix, scale, parts, rows, n, k, k_split, x.stride(0), matrix.stride(0), stride_s,
         hidden, norm_weight, sums, out, eps, ticket if fused_norm else out, splits,
-        ROWS=SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows, SWIGLU=swiglu,
+        ROWS=SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
+        FMA_ROWS=fma_rows(config, rows), SWIGLU=swiglu,
         ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), PRELOAD=config.preload,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -342,7 +377,7 @@ def fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, 
     rows, k = x.shape
     n, (kv_heads, head_dim) = qkv_weight.shape[0], keys.shape[1::2]
     block_n = min(config.block_n, head_dim)
-    check_fp8_tiling(qkv_weight, config.block_k)
+    check_fp8_tiling(qkv_weight, config)
     k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_split)
     parts = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
@@ -353,6 +388,7 @@ def fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, 
         x, matrix, scale, parts, rows, k, k_split, x.stride(0), matrix.stride(0), stride_s, splits, q_weight, k_weight,
         cos, sin, eps, q, keys, values, cache_rows, cache_slots, keys.stride(0), keys.stride(1), keys.stride(2),
         tickets, ROWS=SKINNY_ROWS, BLOCK_N=block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
+        FMA_ROWS=fma_rows(config, rows),
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return q

@@ -99,7 +99,7 @@ def test_replaced_weights_rebuild_the_engine(tiny_pair):
     layer.mlp.up_proj.weight.data = original.clone()  # what .to() or a re-assignment does
     try:
         ours.static_cache()
-        assert ours.graph_engine() is not engine and ours.graph_engine().text.current()
+        assert ours.graph_engine() is not engine and ours.graph_engine().current(ours)
     finally:
         ours.static_cache()
 

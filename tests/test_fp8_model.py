@@ -13,7 +13,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.engine_qwen3vl_graph import GraphEngine
 from qwen3vl_static.fp8_qwen3vl_graph import Fp8Weight, unsupported_weights
-from qwen3vl_static.fp8_quantize import dequantize_blocks, fp8_linear, quantize_fp8
+from qwen3vl_static.fp8_quantize import dequantized_state_dict, fp8_linear, quantize_fp8
 from qwen3vl_static.ops_qwen3vl_graph import TritonOps
 from qwen3vl_static.presets import tiny_config, tiny_config_dict
 from qwen3vl_static.triton_qwen3vl_graph import triton
@@ -25,27 +25,16 @@ CASES = {
 }
 
 
-def dequantized_state(model) -> dict:
-    """`model`'s state dict with each FP8 weight replaced by the matrix it stands for (float32), scales dropped."""
-    state = model.state_dict()
-    out = {}
-    for key, value in state.items():
-        if key.endswith("weight_scale_inv"):
-            continue
-        if value.dtype == torch.float8_e4m3fn:
-            value = dequantize_blocks(value, state[key.removesuffix("weight") + "weight_scale_inv"])
-        out[key] = value
-    return out
-
-
 def fp8_pair(modules_to_not_convert=("lm_head",), bucketed=False):
-    """(ours with FP8Linear modules, stock on the dequantized weights), fp32."""
+    """(ours with FP8Linear modules, stock on the dequantized weights), fp32. Ours had built its engine on the
+    unquantized weights first: replacing the modules rebuilds it."""
     torch.manual_seed(0)
     ours = Qwen3VLGraphForConditionalGeneration(tiny_config(static_cache_len=160, max_batch_size=4,
                                                             prefill_graph_tokens=512)).eval()
+    ours.static_cache()
     quantize_fp8(ours, modules_to_not_convert)
     stock = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval()
-    stock.load_state_dict(dequantized_state(ours))
+    stock.load_state_dict(dequantized_state_dict(ours, torch.float32))
     if bucketed:
         ours._engine = GraphEngine(ours, bucketed=True)
     for model in (ours, stock):

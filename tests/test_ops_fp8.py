@@ -20,7 +20,7 @@ from torch import nn
 from qwen3vl_static import ops_matmul_qwen3vl_graph as matmul
 from qwen3vl_static.fp8_qwen3vl_graph import Fp8Weight, fused_fp8_scales, linear_weight
 from qwen3vl_static.fp8_quantize import dequantize_blocks, fp8_linear, quantize_blocks
-from qwen3vl_static.ops_fp8_matmul_qwen3vl_graph import Fp8MatmulConfig, fp8_matmul
+from qwen3vl_static.ops_fp8_matmul_qwen3vl_graph import Fp8MatmulConfig, dequantize, fp8_matmul
 from qwen3vl_static.ops_norm_qwen3vl_graph import rms_norm_reference
 from qwen3vl_static.ops_rotary_qwen3vl_graph import qk_norm_rope_write
 
@@ -61,9 +61,11 @@ def test_fused_parts_keep_their_scales():
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("scale_rows", [128, 32])
 @pytest.mark.parametrize("block_k, split_k", [(32, 1), (128, 2)], ids=["quarter-block-tiles", "split-k"])
-def test_skinny_matmul_on_fp8_tiles(dtype, rows, scale_rows, block_k, split_k):
+@pytest.mark.parametrize("fma", [False, True], ids=["tl.dot", "fma"])
+def test_skinny_matmul_on_fp8_tiles(dtype, rows, scale_rows, block_k, split_k, fma):
     x, weight = randn(rows, 300, dtype=dtype), random_fp8(200, 300, scale_rows)
-    config = matmul.SkinnyConfig(block_n=32, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2)
+    config = matmul.SkinnyConfig(block_n=32, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2,
+                                 fma=fma)
     with poisoned_empty():
         out = matmul.skinny_matmul(x, weight, config)
     assert_close_at_scale(out, reference(x, weight))
@@ -75,6 +77,17 @@ def test_fp8_tiles_stay_within_a_scale_block():
     with pytest.raises(ValueError, match="scale blocks"):
         matmul.skinny_matmul(x, weight, matmul.SkinnyConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=2))
     assert matmul.preload_config(weight) is None
+    with pytest.raises(ValueError, match="takes an Fp8Weight"):
+        matmul.skinny_matmul(x, weight.dequantize(torch.float32), matmul.SkinnyConfig(32, 128, 1, 4, 2, fma=True))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_kernel(dtype):
+    weight = random_fp8(200, 300, scale_rows=64)
+    with poisoned_empty():
+        out = dequantize(weight, dtype)
+    torch.testing.assert_close(out, weight.dequantize(dtype), rtol=0, atol=0)
 
 
 @needs_triton
@@ -85,10 +98,10 @@ def test_fp8_epilogues(dtype):
     x = randn(rows, 256, dtype=dtype)
     gate_up = random_fp8(2 * 96, 256, scale_rows=32)
     config = matmul.SkinnyConfig(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
-    with poisoned_empty():
-        out = matmul.skinny_matmul(x, gate_up, config, swiglu=True)
-    expected = matmul.silu_mul_reference(reference(x, gate_up))
-    assert_close_at_scale(out, expected)
+    for form in (config, config._replace(fma=True)):
+        with poisoned_empty():
+            out = matmul.skinny_matmul(x, gate_up, form, swiglu=True)
+        assert_close_at_scale(out, matmul.silu_mul_reference(reference(x, gate_up)))
     weight, hidden, norm_weight = random_fp8(100, 256), randn(rows, 100, dtype=dtype), randn(100, dtype=dtype)
     with poisoned_empty():
         total, normed = matmul.skinny_matmul(x, weight, config._replace(split_k=2), add_rms_norm=(hidden, norm_weight, 1e-6),
@@ -100,7 +113,8 @@ def test_fp8_epilogues(dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
-def test_fp8_qkv_norm_rope_write(dtype, form):
+@pytest.mark.parametrize("fma", [False, True], ids=["tl.dot", "fma"])
+def test_fp8_qkv_norm_rope_write(dtype, form, fma):
     rows, heads, kv_heads, dim, hidden, slots = 2, 4, 2, 32, 256, 8
     x, qkv = randn(rows, hidden, dtype=dtype), random_fp8((heads + 2 * kv_heads) * dim, hidden, scale_rows=64)
     qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
@@ -111,7 +125,7 @@ def test_fp8_qkv_norm_rope_write(dtype, form):
     k_ref, v_ref = keys.float(), values.float()
     q_ref = Torch.qk_norm_rope_write(reference(x, qkv), heads, *(w.float() for w in qk_norms[:2]), qk_norms[2],
                                      Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_rows, cache_slots)
-    config = matmul.SkinnyConfig(block_n=16, block_k=128, split_k=2, num_warps=4, num_stages=2)
+    config = matmul.SkinnyConfig(block_n=16, block_k=128, split_k=2, num_warps=4, num_stages=2, fma=fma)
     with poisoned_empty():
         if form == "fused":
             q = matmul.fused_qkv(x, qkv, heads, qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows, cache_slots,
