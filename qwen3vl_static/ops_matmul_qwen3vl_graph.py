@@ -25,8 +25,9 @@ from .triton_qwen3vl_graph import (
 SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
 
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
-# `preload`: each program's whole K range is one tile (`block_k` inputs), loaded before the PDL wait. `fma`: FP8 tiles
-# are multiplied and added in float32 on the CUDA cores, row by row of x, instead of meeting x in a `tl.dot`.
+# `preload`: each program's whole K range is one tile (`block_k` inputs), loaded before the PDL wait. `fma`: each
+# program's whole K range of an FP8 weight is one tile (`block_k` inputs, whole scale blocks), multiplied and added in
+# float32 on the CUDA cores row by row of x instead of meeting x in a `tl.dot`.
 SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages preload fma",
                           defaults=(False, False))
 
@@ -69,28 +70,33 @@ if triton is not None:
         ROWS rows of x (`live_rows` masks the weight rows): each weight tile is read once, coalesced along K, and serves
         every row (the narrow side of a `tl.dot`, padded to ROWS, its minimum).
 
-        SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). A
-        tile (BLOCK_K divides 128) lies in one block column and one scale per row dequantizes it: scaled and rounded
-        to x's dtype (the dequantized weights) for the `tl.dot`; or, FMA_ROWS > 0 (at least `rows`), its FP8 values
-        (exact in float32) are multiplied and added with each row of x on the CUDA cores and the sums scaled (the FP8
-        tile then goes from the load to the FMAs in registers: on an H200 the conversion for a `tl.dot` costs more
-        than the weight reads)."""
+        SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). In
+        the `tl.dot` form a tile (BLOCK_K divides 128) lies in one block column: scaled per row and rounded to x's
+        dtype (the dequantized weights) for the `tl.dot`. Loads that feed a conversion are not pipelined like loads
+        that feed a `tl.dot`, so this form waits for each tile (on an H200 FP8 tiles then read at a fraction of the
+        bandwidth). FMA_ROWS > 0 (at least `rows`): the whole range is one tile of whole scale blocks, all its loads in
+        flight at once; its FP8 values (exact in float32) are multiplied and added with each row of x on the CUDA
+        cores, each block's sums scaled."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
         for start in range(k_start, k_start + k_split, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            tile = weight_rows[:, None] * stride_w + ks[None, :]
-            live = live_rows[:, None] & (ks[None, :] < k_len)
-            w = tl.load(weight + tile, mask=live, other=0.0)
             if FMA_ROWS:
-                s = tl.load(scale + weight_rows // SCALE_ROWS * stride_s + start // 128, mask=live_rows, other=0.0)
-                w = w.to(tl.float32)
-                for row in tl.static_range(FMA_ROWS):
-                    x_row = tl.load(x + row * stride_x + ks, mask=(ks < k_len) & (row < rows), other=0.0)
-                    part = tl.sum(w * x_row.to(tl.float32)[None, :], axis=1) * s
-                    acc = tl.where(row_ids[None, :] == row, acc + part[:, None], acc)
+                # Unrolled over the range's scale blocks: no load waits for an earlier block's sums.
+                for block in tl.static_range(BLOCK_K // 128):
+                    kb = start + block * 128 + tl.arange(0, 128)
+                    w = tl.load(weight + weight_rows[:, None] * stride_w + kb[None, :],
+                                mask=live_rows[:, None] & (kb[None, :] < k_len), other=0.0).to(tl.float32)
+                    s = tl.load(scale + weight_rows // SCALE_ROWS * stride_s + start // 128 + block,
+                                mask=live_rows & (start + block * 128 < k_len), other=0.0)
+                    for row in tl.static_range(FMA_ROWS):
+                        x_row = tl.load(x + row * stride_x + kb, mask=(kb < k_len) & (row < rows), other=0.0)
+                        part = tl.sum(w * x_row.to(tl.float32)[None, :], axis=1) * s
+                        acc = tl.where(row_ids[None, :] == row, acc + part[:, None], acc)
             else:
+                ks = start + tl.arange(0, BLOCK_K)
+                w = tl.load(weight + weight_rows[:, None] * stride_w + ks[None, :],
+                            mask=live_rows[:, None] & (ks[None, :] < k_len), other=0.0)
                 x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
                               mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0)
                 if SCALE_ROWS:
@@ -252,14 +258,24 @@ def weight_operands(weight) -> tuple:
     return weight, weight, 0, 0
 
 
-def check_fp8_tiling(weight, config) -> None:
+def check_fp8_tiling(weight, config, k_split) -> None:
     if not isinstance(weight, Fp8Weight):
         if config.fma:
             raise ValueError("the FMA form multiplies FP8 tiles: it takes an Fp8Weight")
         return
-    if SCALE_COLS % config.block_k:
+    if config.fma and (config.block_k % SCALE_COLS or k_split != config.block_k):
+        raise ValueError(f"the FMA form's tile is a program's whole K range of whole {SCALE_COLS}-input scale blocks: "
+                         f"block_k {config.block_k} must be {k_split} and a multiple of {SCALE_COLS}")
+    if not config.fma and SCALE_COLS % config.block_k:
         raise ValueError(f"an FP8 weight's tiles must lie within its {SCALE_COLS}-input scale blocks: block_k "
                          f"{config.block_k}")
+
+
+def fma_configs(weight) -> list:
+    """The FMA form's tilings an FP8 projection is measured at: 8 warps, 16K-input tiles (64 float32 registers per
+    thread) of 16 columns x 1024 inputs, 32 x 512 or 64 x 256, K cut into ranges of that width."""
+    return [SkinnyConfig(block_n, width, triton.cdiv(weight.shape[1], width), num_warps=8, num_stages=1, fma=True)
+            for block_n, width in ((16, 1024), (32, 512), (64, 256)) if width <= triton.next_power_of_2(weight.shape[1])]
 
 
 def fma_rows(config, rows) -> int:
@@ -291,12 +307,12 @@ def rule_config(weight, can_split=True) -> SkinnyConfig:
     return skinny_config(*weight.shape, sm_count(weight.device), can_split=can_split)
 
 
-def stage_configs(rule, weight=None) -> tuple:
+def stage_configs(rule, weight=None, can_split=True) -> tuple:
     """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection is measured at (for an
-    `Fp8Weight`, each in the `tl.dot` and in the FMA form)."""
+    `Fp8Weight` whose K may be split, the FMA form's too)."""
     stages = rule._replace(num_stages=4), rule._replace(num_stages=6)
-    if isinstance(weight, Fp8Weight):
-        return stages + tuple(config._replace(fma=True) for config in stages)
+    if isinstance(weight, Fp8Weight) and can_split:
+        return stages + tuple(fma_configs(weight))
     return stages
 
 
@@ -316,11 +332,11 @@ def preload_config(weight, block_n=64, tile_bytes=64 * 1024):
 
 def split_configs(weight) -> list:
     """The skinny matmul's rule for `weight` on its device, and the same with half the K split: the tilings a
-    fused epilogue is measured at (for an `Fp8Weight`, each in the `tl.dot` and in the FMA form)."""
+    fused epilogue is measured at (for an `Fp8Weight`, the FMA form's too)."""
     rule = rule_config(weight)
     configs = list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
     if isinstance(weight, Fp8Weight):
-        return configs + [config._replace(fma=True) for config in configs]
+        return configs + fma_configs(weight)
     return configs
 
 
@@ -343,7 +359,7 @@ def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, parti
     if config.preload and (swiglu or k_split != config.block_k):
         raise ValueError(f"a preloaded tile spans a program's whole K range: block_k must be {k_split}, "
                          "without SwiGLU")
-    check_fp8_tiling(weight, config)
+    check_fp8_tiling(weight, config, k_split)
     fused_norm = add_rms_norm is not None
     if fused_norm and ticket is None:
         raise ValueError("the add-and-norm epilogue needs a ticket (a counter of finished programs)")
@@ -377,8 +393,8 @@ def fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, 
     rows, k = x.shape
     n, (kv_heads, head_dim) = qkv_weight.shape[0], keys.shape[1::2]
     block_n = min(config.block_n, head_dim)
-    check_fp8_tiling(qkv_weight, config)
     k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    check_fp8_tiling(qkv_weight, config, k_split)
     splits = triton.cdiv(k, k_split)
     parts = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     q = torch.empty(rows, heads, head_dim, dtype=x.dtype, device=x.device)

@@ -22,7 +22,7 @@ from .ops_attention_qwen3vl_graph import (
     decode_attention_reference,
 )
 from .fp8_qwen3vl_graph import Fp8Weight
-from .ops_fp8_matmul_qwen3vl_graph import dequantize, fp8_matmul, fp8_matmul_configs
+from .ops_fp8_matmul_qwen3vl_graph import fp8_matmul
 from .ops_matmul_qwen3vl_graph import (
     fused_qkv,
     linear_gelu_tanh,
@@ -156,17 +156,13 @@ class TritonOps(TorchOps):
         """cuBLAS or the skinny Triton matmul, whichever measured faster on this device for these (M, N, K, dtype).
         The skinny matmul runs at the rule's tiling with a 4- or a 6-stage pipeline: on an H200, 6 stages win for the
         split projections (o_proj, down_proj, QKV) and 4 for gate/up. A bias (the text model has none) keeps cuBLAS,
-        which adds it. An `Fp8Weight` takes the skinny matmul for a few rows without bias (its `tl.dot` or FMA form),
-        else cuBLAS on the matrix dequantized for the call or the FP8 tiled matmul (`fp8_matmul`), whichever
-        measured fastest (cuBLAS has no FP8-weight x 16-bit-activation product)."""
+        which adds it. An `Fp8Weight` takes the skinny matmul for a few rows without bias (its `tl.dot` or FMA form, at
+        their measured tilings; cuBLAS has no FP8-weight x 16-bit-activation product), else `fp8_matmul`."""
         if isinstance(weight, Fp8Weight):
-            if bias is None and skinny(x, weight):
-                configs = stage_configs(rule_config(weight), weight)
-                candidates = [lambda config=config: skinny_matmul(x, weight, config) for config in configs]
-            else:
-                candidates = [lambda: F.linear(x, dequantize(weight, x.dtype), bias),
-                              *(lambda config=config: fp8_matmul(x, weight, bias, config)
-                                for config in fp8_matmul_configs(x.shape[0]))]
+            if bias is not None or not skinny(x, weight):
+                return fp8_matmul(x, weight, bias)
+            candidates = [lambda config=config: skinny_matmul(x, weight, config)
+                          for config in stage_configs(rule_config(weight), weight)]
             return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
         if bias is not None or not skinny(x, weight):
             return F.linear(x, weight, bias)
@@ -189,7 +185,8 @@ class TritonOps(TorchOps):
         if not skinny(x, gate_up_weight):
             return separate()
         fused = [lambda config=config: skinny_matmul(x, gate_up_weight, config, swiglu=True)
-                 for config in stage_configs(rule_config(gate_up_weight, can_split=False), gate_up_weight)]
+                 for config in stage_configs(rule_config(gate_up_weight, can_split=False), gate_up_weight,
+                                             can_split=False)]
         return self.tuner.measured("linear_swiglu", matmul_shape(x, gate_up_weight), x.device, (separate, *fused))
 
     def linear_add_rms_norm(self, x, weight, bias, hidden, norm_weight, eps):

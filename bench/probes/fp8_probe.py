@@ -1,5 +1,6 @@
-"""FP8 decode on the 2B shapes: the skinny matmul's FP8 tilings timed alone (as the tuner times them), and decode
-ms/step / TTFT of the bf16 and FP8 models (ours, graphs). Writes $OUT/fp8_probe.json.
+"""FP8 decode on the 2B shapes: the skinny matmul's FP8 tilings (its `tl.dot` form at the rule's tiling, the FMA form
+at 16-64 columns x 256-1024 inputs) timed alone as the tuner times them, and decode ms/step / TTFT of the bf16 and FP8
+models (ours, graphs). Writes $OUT/fp8_probe.json.
 
 Usage (H200): python bench/probes/fp8_probe.py
 """
@@ -14,7 +15,6 @@ import torch
 from qwen3vl_static import ops_matmul_qwen3vl_graph as matmul
 from qwen3vl_static.fp8_qwen3vl_graph import Fp8Weight
 from qwen3vl_static.fp8_quantize import quantize_fp8
-from qwen3vl_static.ops_fp8_matmul_qwen3vl_graph import dequantize, fp8_matmul, fp8_matmul_configs
 from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
 from qwen3vl_static.workloads import build_models, image_prompt, text_prompt
 
@@ -30,35 +30,14 @@ def tilings(rows):
                            torch.rand(-(-n // 128), k // 128, device="cuda"), 128)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         rule = matmul.rule_config(weight)
-        splits = dict.fromkeys((rule.split_k, max(1, rule.split_k // 2), rule.split_k * 2))
-        configs = [rule._replace(block_n=block_n, num_stages=stages, split_k=split)
-                   for block_n in (64, 128) for stages in (4, 6) for split in splits]
-        configs += [rule._replace(block_n=block_n, num_warps=warps, num_stages=stages, split_k=split, fma=True)
-                    for block_n in (16, 32, 64) for warps in (4, 8) for stages in (2, 4) for split in splits]
+        configs = [rule._replace(num_stages=4)]
+        configs += [matmul.SkinnyConfig(block_n, width, -(-k // width), warps, 1, fma=True)
+                    for block_n in (16, 32, 64) for width in (256, 512, 1024) for warps in (4, 8)
+                    if block_n * width <= 32768 and width <= k]
         times = tuner.time_calls([lambda config=config: matmul.skinny_matmul(x, weight, config) for config in configs])
         ranked = sorted(zip(times, configs))
         out[name] = [{"us": us, "GB/s": n * k / us / 1e3, "config": config._asdict()} for us, config in ranked[:6]]
         out[name].append({"rule_us": times[configs.index(rule)], "rule": rule._asdict()})
-    return out
-
-
-def prefill_tilings(rows):
-    """The FP8 tiled matmul's tilings (both forms) against cuBLAS on the bf16 matrix, per projection, microseconds."""
-    tuner = KernelTuner()
-    out = {}
-    for name, (n, k) in list(SHAPES.items())[:4]:
-        weight = Fp8Weight((torch.randn(n, k, device="cuda") * 32).to(torch.float8_e4m3fn),
-                           torch.rand(-(-n // 128), k // 128, device="cuda"), 128)
-        dense = weight.dequantize(torch.bfloat16)
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        configs = fp8_matmul_configs(rows)
-        times = tuner.time_calls([lambda: torch.nn.functional.linear(x, dense),
-                                  lambda: torch.nn.functional.linear(x, dequantize(weight, x.dtype))]
-                                 + [lambda config=config: fp8_matmul(x, weight, None, config) for config in configs])
-        out[name] = {"cublas_bf16_us": times[0], "dequantize_then_cublas_us": times[1],
-                     "fp8_matmul": [{"us": us, **config._asdict()} for us, config in zip(times[2:], configs)]}
-        print("prefill", rows, name, "cuBLAS bf16", round(times[0], 1), "dequantized + cuBLAS", round(times[1], 1),
-              "fp8_matmul", [round(us, 1) for us in times[2:]])
     return out
 
 
@@ -84,8 +63,7 @@ def decode(model, prompts, image):
 
 
 def main():
-    report = {"prefill_256": prefill_tilings(256), "tilings_b1": tilings(1), "tilings_b8": tilings(8),
-              "prefill_2048": prefill_tilings(2048)}
+    report = {"tilings_b1": tilings(1), "tilings_b8": tilings(8)}
     ours, stock = build_models(torch.device("cuda"), torch.bfloat16, static_cache_len=1024, max_batch_size=8)
     del stock
     generator = torch.Generator().manual_seed(0)
