@@ -1,13 +1,15 @@
 """The benchmark's models and prompts, shared by `bench`, `demo` and the CUDA tests (not uploaded to the Hub).
 
 Random weights with the exact shapes of a preset (`presets.MODELS`; speed does not depend on weight values), ours
-and stock transformers over one set of tensors, and prompts laid out as Qwen3VLProcessor lays them out.
+and stock transformers over one set of tensors, ours with the same weights in Qwen's FP8 format, and prompts laid
+out as Qwen3VLProcessor lays them out.
 """
 
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
+from .fp8_quantize import quantize_fp8
 from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
 from .presets import real_config, real_config_dict
 
@@ -39,6 +41,14 @@ def build_models(device, dtype, model="2b", **settings):
     for each in (ours, stock):
         generate_exactly_as_asked(each)
     return ours, stock
+
+
+def build_fp8_model(device, dtype, model="2b", **settings):
+    """`build_models`' ours (same weights and settings) with its text linears in Qwen's FP8 format (`quantize_fp8`:
+    e4m3 weights with a float32 scale per 128 x 128 block; vision and `lm_head` stay in `dtype`)."""
+    ours = quantize_fp8(build_ours(device, dtype, model, **settings))
+    generate_exactly_as_asked(ours)
+    return ours
 
 
 def text_prompt(config, batch, length, device, generator):
