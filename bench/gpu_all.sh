@@ -3,6 +3,8 @@
 # probes PROBES="gemv boundary ..." names, bench/probes/<name>_probe.py; CUDA_TESTS=0 skips the CUDA tests).
 # Usage (on the H200): bash bench/gpu_all.sh [bench args...]. Results land in $OUT (or bench/results): one log
 # (gpu-all.log), the benchmark's JSON and PNG, and each probe's JSON.
+# BENCH_RUNS="--fp8;--model 8b --fp8" runs the benchmark once per ';'-separated entry, each with the bench args and
+# then the entry's own (default: one run with the bench args); each model writes its own JSON.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -22,7 +24,12 @@ if [ "${CUDA_TESTS:-1}" = 1 ]; then
   echo "== CUDA tests $(date +%T)" | tee -a "$log"
   python3 -m pytest tests/test_cuda.py -q -s -p no:cacheprovider 2>&1 | tee -a "$log"
 fi
-echo "== bench $(date +%T)" | tee -a "$log"
-python3 -m qwen3vl_static bench --out "$out" "${bench_args[@]}" 2>&1 | grep -v "Capturing CUDA graphs" | tee -a "$log"
+IFS=';' read -ra bench_runs <<< "${BENCH_RUNS:-}"
+[ ${#bench_runs[@]} -gt 0 ] || bench_runs=("")
+for run in "${bench_runs[@]}"; do
+  read -ra run_args <<< "$run"
+  echo "== bench${run_args[*]:+ ${run_args[*]}} $(date +%T)" | tee -a "$log"
+  python3 -m qwen3vl_static bench --out "$out" "${bench_args[@]}" "${run_args[@]}" 2>&1 | grep -v "Capturing CUDA graphs" | tee -a "$log"
+done
 echo "== demo $(date +%T)" | tee -a "$log"
 python3 -m qwen3vl_static demo 2>&1 | grep -v "Capturing CUDA graphs" | tee -a "$log"

@@ -13,11 +13,11 @@ import time
 import torch
 
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
-from qwen3vl_static.presets import real_2b_config, tiny_config
+from qwen3vl_static.presets import real_config, tiny_config
 
 if torch.cuda.is_available():
     # The cache holds 2048 slots per row for up to 4 rows; its length buckets are the milestones below.
-    config = real_2b_config(max_batch_size=4, static_cache_len=2048, graph_cache_lengths=[512, 1024, 2048])
+    config = real_config("2b", max_batch_size=4, static_cache_len=2048, graph_cache_lengths=[512, 1024, 2048])
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3VLGraphForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()

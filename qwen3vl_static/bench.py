@@ -1,9 +1,9 @@
 """`python -m qwen3vl_static bench`: ours against stock transformers, in one process, on the same inputs.
 
-Random bf16 weights with the exact Qwen3-VL-2B shapes (speed does not depend on weight values). Every
-number comes from tokens really generated: decode ms/step is the slope between two generation lengths
-(prefill cancels out), and every run's token count is checked. EOS is disabled so all systems generate
-the same number of tokens.
+Random bf16 weights with the exact shapes of a preset (`--model`: Qwen3-VL-2B, 4B or 8B; speed does not depend on
+weight values); with `--fp8` also ours with the same weights in Qwen's FP8 format. Every number comes from tokens
+really generated: decode ms/step is the slope between two generation lengths (prefill cancels out), and every run's
+token count is checked. EOS is disabled so all systems generate the same number of tokens.
 """
 
 import json
@@ -17,7 +17,13 @@ import torch
 import transformers
 
 from .compat_qwen3vl_graph import CACHE_KWARG, returned_cache
-from .workloads import build_models, image_prompt, second_turn, text_prompt
+from .workloads import (
+    build_fp8_model,
+    build_models,
+    image_prompt,
+    second_turn,
+    text_prompt,
+)
 
 SHORT, LONG = 16, 80  # decode lengths whose time difference gives ms/step
 
@@ -57,6 +63,12 @@ def second_turn_ttft(model, image, generator, repeats=5) -> dict:
             "ttft_ms_with_returned_cache": reused_ms, "ttft_ms_fresh": fresh_ms,
             "token_with_cache_equals_eager": bool(torch.equal(reused_token, eager_token)),
             "token_with_cache_equals_fresh": bool(torch.equal(reused_token, fresh_token))}
+
+
+def weight_gb(model) -> float:
+    """GB of the model's parameters, each tensor counted once (tied or borrowed weights share memory)."""
+    sizes = {(p.data_ptr(), p.numel()): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(sizes.values()) / 2**30
 
 
 def measure(system, model, prompts, image, **kwargs):
@@ -128,31 +140,62 @@ def ttft_breakdown(ours, stock, prompts) -> list:
     return rows
 
 
+def measure_ours(system, model, args, prompts, image):
+    """`warmup()` (greedy graphs for the measured sizes), then `measure`: the rows, and the engine's summary."""
+    torch.cuda.empty_cache()  # capture empties the cache too; measure the pool against the same baseline
+    reserved = torch.cuda.memory_reserved()
+    allocated = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    model.warmup(batch_sizes=args.batch_sizes, cache_lengths=[args.context + LONG, image["input_ids"].shape[1] + 128],
+                 modes=("greedy",))
+    warmup_s = time.perf_counter() - began
+    graph_pool_gb = (torch.cuda.memory_reserved() - reserved) / 2**30  # graphs allocate from a private pool
+    rows = measure(system, model, prompts, image)
+    for row in rows:
+        row.update(warmup_s=warmup_s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30,
+                   allocated_gb_at_start=allocated / 2**30, weight_gb=weight_gb(model))
+    engine = model.graph_engine()
+    return rows, {
+        "graphs_captured": {"decode": len(engine.decode.graphs), "prefill": len(engine.prefill.graphs),
+                            "vision": len(engine.vision.graphs)},
+        "decode_ops": type(engine.ops).__name__,
+        # Which form each decode op took (0: cuBLAS / separate kernels, then the fused candidates), its candidates'
+        # microseconds timed alone and, for near ties, the whole step's milliseconds with each.
+        "measured_choices": {f"{op} {shape}": {"choice": tuner.choices[key], "us": us, "step_ms": tuner.step_timings.get(key)}
+                             for tuner in [engine.tuner] for key, us in tuner.timings.items() for op, shape, _ in [key]},
+        "kv_cache_gb": sum(t.numel() * t.element_size() for t in engine.cache.full_keys + engine.cache.full_values) / 2**30,
+        "graph_pool_reserved_gb_after_warmup": graph_pool_gb,
+        # Seconds of the warmup in its compile-ahead pass (compiling the Triton kernels, or loading them from
+        # Triton's disk cache, plus one eager run of every step), in settling near-tied choices in the whole step and
+        # in capturing. The compiling itself is the difference between a cold run (empty cache) and a warm one.
+        "warmup_seconds": model.warmup_report,
+    }
+
+
+def graph_equals_eager_static_path(model, rows, prompts, image) -> bool:
+    """Whether the graphs' tokens in `rows` equal the same calls run on the eager static path."""
+    model.set_cuda_graphs(False)
+    try:
+        eager_static = measure_tokens(model, prompts, image)
+    finally:
+        model.set_cuda_graphs(True)
+    return all(torch.equal(r["tokens"], eager_static[(r["batch_size"], r["new_tokens"])]) for r in rows)
+
+
 def run(args) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA GPU; on a CPU run `python -m qwen3vl_static demo`")
     device, dtype = torch.device("cuda"), torch.bfloat16
-    ours, stock = build_models(device, dtype, use_triton_kernels=not args.torch_ops)  # default cache: 8 x 4096
+    settings = {"use_triton_kernels": not args.torch_ops}  # default cache: 8 x 4096
+    ours, stock = build_models(device, dtype, args.model, **settings)
     generator = torch.Generator().manual_seed(0)
     prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in args.batch_sizes}
     image = image_prompt(ours.config, device, generator)
     ttft_prompts = {"448x448": image, "1024x1024": image_prompt(ours.config, device, generator, sides=(1024,)),
                     "4 x 448x448": image_prompt(ours.config, device, generator, sides=(448,) * 4)}
 
-    torch.cuda.empty_cache()  # capture empties the cache too; measure the pool against the same baseline
-    reserved = torch.cuda.memory_reserved()
-    torch.cuda.reset_peak_memory_stats()
-    began = time.perf_counter()
-    ours.warmup(batch_sizes=args.batch_sizes, cache_lengths=[args.context + LONG, image["input_ids"].shape[1] + 128],
-                modes=("greedy",))
-    warmup_s = time.perf_counter() - began
-    warmup_report = ours.warmup_report
-    graph_pool_gb = (torch.cuda.memory_reserved() - reserved) / 2**30  # graphs allocate from a private pool
-    results = measure("ours", ours, prompts, image)
-    for row in results:
-        row.update(warmup_s=warmup_s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
-    engine = ours.graph_engine()
-    cache_gb = sum(t.numel() * t.element_size() for t in engine.cache.full_keys + engine.cache.full_values) / 2**30
+    results, engine_summary = measure_ours("ours", ours, args, prompts, image)
     ttft = ttft_breakdown(ours, stock, ttft_prompts)
     ttft_second_turn = second_turn_ttft(ours, image, generator)
 
@@ -160,13 +203,15 @@ def run(args) -> dict:
     if args.with_compile:
         systems.append(("hf_static_compile", {"cache_implementation": "static"}))
     for system, kwargs in systems:
+        allocated = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         began = time.perf_counter()
         timed_generate(stock, prompts[args.batch_sizes[0]], 2, **kwargs)  # first call: compile for static
         warmup = time.perf_counter() - began
         rows = measure(system, stock, prompts, image, **kwargs)
         for row in rows:
-            row.update(warmup_s=warmup, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30)
+            row.update(warmup_s=warmup, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30,
+                       allocated_gb_at_start=allocated / 2**30, weight_gb=weight_gb(stock))
         results += rows
 
     # Ours against the stock eager reference on identical inputs, and against our own eager static path.
@@ -176,11 +221,19 @@ def run(args) -> dict:
         row["tokens_match_reference"] = bool(torch.equal(row["tokens"], ref))
         row["first_divergence"] = None if row["tokens_match_reference"] else int(
             (row["tokens"] != ref).any(0).nonzero()[0])
-    ours.set_cuda_graphs(False)
-    eager_static = measure_tokens(ours, prompts, image)
-    ours.set_cuda_graphs(True)
-    graph_equals_eager_static = all(
-        torch.equal(r["tokens"], eager_static[(r["batch_size"], r["new_tokens"])]) for r in results if r["system"] == "ours")
+    graph_equals_eager = graph_equals_eager_static_path(ours, [r for r in results if r["system"] == "ours"], prompts, image)
+
+    fp8 = {}
+    if args.fp8:
+        # Stock transformers cannot run these weights offline: the FP8 rows have no stock reference, and their check
+        # is their own eager static path.
+        fp8_model = build_fp8_model(device, dtype, args.model, **settings)
+        fp8_rows, fp8_engine = measure_ours("ours_fp8", fp8_model, args, prompts, image)
+        for row in fp8_rows:
+            row.update(tokens_match_reference=None, first_divergence=None)
+        fp8 = {"graph_equals_eager_static_path_fp8": graph_equals_eager_static_path(fp8_model, fp8_rows, prompts, image),
+               "ours_fp8_engine": fp8_engine}
+        results += fp8_rows
     for row in results:
         del row["tokens"]
     return {
@@ -190,20 +243,10 @@ def run(args) -> dict:
         "python": platform.python_version(),
         "date": date.today().isoformat(),
         "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]),
-        "graphs_captured": {"decode": len(engine.decode.graphs), "prefill": len(engine.prefill.graphs),
-                            "vision": len(engine.vision.graphs)},
-        "decode_ops": type(engine.ops).__name__,
-        # Which form each decode op took (0: cuBLAS / separate kernels, then the fused candidates), its candidates'
-        # microseconds timed alone and, for near ties, the whole step's milliseconds with each.
-        "measured_choices": {f"{op} {shape}": {"choice": tuner.choices[key], "us": us, "step_ms": tuner.step_timings.get(key)}
-                             for tuner in [engine.tuner] for key, us in tuner.timings.items() for op, shape, _ in [key]},
-        "kv_cache_gb": cache_gb,
-        "graph_pool_reserved_gb_after_warmup": graph_pool_gb,
-        # Seconds of the warmup in its compile-ahead pass (compiling the Triton kernels, or loading them from
-        # Triton's disk cache, plus one eager run of every step), in settling near-tied choices in the whole step and
-        # in capturing. The compiling itself is the difference between a cold run (empty cache) and a warm one.
-        "warmup_seconds": warmup_report,
-        "graph_equals_eager_static_path": graph_equals_eager_static,
+        "model": args.model,
+        **engine_summary,
+        "graph_equals_eager_static_path": graph_equals_eager,
+        **fp8,
         "ttft_breakdown": ttft,
         "ttft_second_turn": ttft_second_turn,
         "results": results,
@@ -218,7 +261,7 @@ def measure_tokens(model, prompts, image):
 
 def report(summary, out_dir: Path) -> Path:
     columns = ["system", "batch_size", "context_tokens", "new_tokens", "decode_ms_per_step", "ttft_ms",
-               "e2e_tokens_per_s", "warmup_s", "peak_mem_gb", "tokens_match_reference"]
+               "e2e_tokens_per_s", "warmup_s", "weight_gb", "peak_mem_gb", "tokens_match_reference"]
     print(" | ".join(columns))
     for row in summary["results"]:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns))
@@ -227,8 +270,13 @@ def report(summary, out_dir: Path) -> Path:
     print(f"kv cache {summary['kv_cache_gb']:.3f} GB, graph pool after warmup {summary['graph_pool_reserved_gb_after_warmup']:.3f} GB")
     print("warmup of ours, seconds:", {key: round(value, 3) for key, value in summary["warmup_seconds"].items()})
     print("graph == eager static path:", summary["graph_equals_eager_static_path"])
+    if "ours_fp8_engine" in summary:
+        fp8 = summary["ours_fp8_engine"]
+        print(f"fp8: kv cache {fp8['kv_cache_gb']:.3f} GB, graph pool after warmup {fp8['graph_pool_reserved_gb_after_warmup']:.3f} GB")
+        print("fp8: warmup, seconds:", {key: round(value, 3) for key, value in fp8["warmup_seconds"].items()})
+        print("fp8: graph == eager static path:", summary["graph_equals_eager_static_path_fp8"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = summary["device"].replace(" ", "-").lower()
+    name = summary["device"].replace(" ", "-").lower() + ("" if summary["model"] == "2b" else f"-{summary['model']}")
     path = out_dir / f"{name}-{summary['date'].replace('-', '')}.json"
     path.write_text(json.dumps(summary, indent=2))
     try:
@@ -243,7 +291,7 @@ def report(summary, out_dir: Path) -> Path:
     for system in dict.fromkeys(r["system"] for r in decode):
         rows = [r for r in decode if r["system"] == system]
         ax.plot([r["batch_size"] for r in rows], [r["decode_ms_per_step"] for r in rows], marker="o", label=system)
-    ax.set(xlabel="batch size", ylabel="decode ms/step", yscale="log", title=summary["device"])
+    ax.set(xlabel="batch size", ylabel="decode ms/step", yscale="log", title=f"{summary['device']}, Qwen3-VL-{summary['model'].upper()}")
     ax.legend()
     fig.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
     return path

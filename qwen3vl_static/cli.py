@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .convert import convert
+from .presets import MODELS
 
 
 def main(argv=None) -> int:
@@ -41,8 +42,13 @@ def main(argv=None) -> int:
         "bench",
         help="benchmark against stock transformers (CUDA)",
         description="Decode ms/step at several batch sizes, TTFT and end-to-end tokens/s with a 448x448 image, "
-        "for ours and stock transformers in one process; writes JSON (and a PNG with matplotlib).",
+        "for ours and stock transformers in one process, over random bf16 weights of a dense Qwen3-VL's shapes; "
+        "writes JSON (and a PNG with matplotlib).",
     )
+    bench.add_argument("--model", choices=MODELS, default="2b",
+                       help="the dense Qwen3-VL whose shapes the random weights take (default: 2b)")
+    bench.add_argument("--fp8", action="store_true",
+                       help="also measure ours with the same weights in Qwen's FP8 format (system ours_fp8)")
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
     bench.add_argument("--context", type=int, default=512, help="prompt tokens of the decode measurements")
     bench.add_argument("--with-compile", action="store_true",

@@ -1,7 +1,9 @@
-"""Model definitions that need no download: the real Qwen3-VL-2B architecture and tiny test models.
+"""Model definitions that need no download: the real dense Qwen3-VL architectures (2B, 4B, 8B) and tiny test models.
 
-Not uploaded to the Hub. The real config (architecture only; no weights exist offline) drives GPU demos and
+Not uploaded to the Hub. The real configs (architecture only; no weights exist offline) drive GPU demos and
 benchmarks with random weights of the exact shapes; the tiny config and processor drive CPU demos and tests.
+The 4B and 8B configs are the 2B's with those models' text and vision sizes (widths, depths, heads, DeepStack
+layers, tied embeddings or not); they were written offline and not checked against the published config.json files.
 """
 
 import json
@@ -10,7 +12,8 @@ from pathlib import Path
 from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 
-REAL_2B_DIR = Path(__file__).with_name("assets") / "qwen3-vl-2b"
+ASSETS = Path(__file__).with_name("assets")
+MODELS = ("2b", "4b", "8b")  # Qwen/Qwen3-VL-<size>-Instruct, each in assets/qwen3-vl-<size>/
 
 # Qwen's special tokens, in the order they get ids after the 256 byte tokens of the tiny tokenizer.
 SPECIAL_TOKENS = [
@@ -36,17 +39,29 @@ CHAT_TEMPLATE = (
 )
 
 
-def real_2b_config(**overrides) -> Qwen3VLGraphConfig:
-    """The exact Qwen/Qwen3-VL-2B-Instruct architecture as this package's config."""
-    values = json.loads((REAL_2B_DIR / "config.json").read_text())
+def model_dir(model: str) -> Path:
+    """The folder of a real model's config.json, generation_config.json and preprocessor_config.json."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; the presets are {', '.join(MODELS)}")
+    return ASSETS / f"qwen3-vl-{model}"
+
+
+def real_config_dict(model: str = "2b") -> dict:
+    """The stock config.json of Qwen/Qwen3-VL-<model>-Instruct, without its model type (for either config class)."""
+    values = json.loads((model_dir(model) / "config.json").read_text())
     values.pop("model_type")
-    return Qwen3VLGraphConfig(**{**values, **overrides})
+    return values
 
 
-def real_2b_generation_config():
+def real_config(model: str = "2b", **overrides) -> Qwen3VLGraphConfig:
+    """The Qwen/Qwen3-VL-<model>-Instruct architecture (with `overrides`) as this package's config."""
+    return Qwen3VLGraphConfig(**{**real_config_dict(model), **overrides})
+
+
+def real_generation_config(model: str = "2b"):
     from transformers import GenerationConfig
 
-    return GenerationConfig.from_pretrained(REAL_2B_DIR)
+    return GenerationConfig.from_pretrained(model_dir(model))
 
 
 def tiny_config_dict() -> dict:

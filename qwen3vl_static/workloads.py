@@ -1,37 +1,54 @@
 """The benchmark's models and prompts, shared by `bench`, `demo` and the CUDA tests (not uploaded to the Hub).
 
-Random bf16 weights with the exact Qwen3-VL-2B shapes (speed does not depend on weight values), ours and stock
-transformers over one set of tensors, and prompts laid out as Qwen3VLProcessor lays them out.
+Random weights with the exact shapes of a preset (`presets.MODELS`; speed does not depend on weight values), ours
+and stock transformers over one set of tensors, ours with the same weights in Qwen's FP8 format, and prompts laid
+out as Qwen3VLProcessor lays them out.
 """
-
-import json
 
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
+from .fp8_quantize import quantize_fp8
 from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
-from .presets import REAL_2B_DIR, real_2b_config
+from .presets import real_config, real_config_dict
 
 
-def build_models(device, dtype, **settings):
-    """Ours (with these config settings) and the stock class over one set of weights (the stock model borrows
-    our tensors)."""
-    config = real_2b_config(**settings)
+def build_ours(device, dtype, model="2b", **settings):
+    """Ours with the `model` preset's shapes, these config settings and random weights (seed 0: the same weights in
+    every build)."""
     torch.manual_seed(0)
     with torch.device(device):
-        ours = Qwen3VLGraphForConditionalGeneration._from_config(config, dtype=dtype).eval()
-        stock_config = Qwen3VLConfig(**{k: v for k, v in json.loads((REAL_2B_DIR / "config.json").read_text()).items() if k != "model_type"})
+        return Qwen3VLGraphForConditionalGeneration._from_config(real_config(model, **settings), dtype=dtype).eval()
+
+
+def generate_exactly_as_asked(model):
+    """Random weights: no EOS, so every system generates exactly the tokens asked for; greedy."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.do_sample = False
+
+
+def build_models(device, dtype, model="2b", **settings):
+    """Ours (`build_ours`) and the stock class over one set of weights (the stock model borrows our tensors)."""
+    ours = build_ours(device, dtype, model, **settings)
+    with torch.device(device):
         # Built on the device (not meta) so its non-persistent buffers (rotary tables) exist; then it borrows
         # our parameters and its own random ones are freed.
-        stock = Qwen3VLForConditionalGeneration._from_config(stock_config, dtype=dtype).eval()
+        stock = Qwen3VLForConditionalGeneration._from_config(Qwen3VLConfig(**real_config_dict(model)), dtype=dtype).eval()
     ours.static_cache()  # fuses the projection weights first, so the stock model borrows the fused views
     stock.load_state_dict(ours.state_dict(), assign=True)
     stock.tie_weights()
-    for model in (ours, stock):  # random weights: no EOS, so every system generates exactly what was asked
-        model.generation_config.eos_token_id = None
-        model.generation_config.do_sample = False
+    for each in (ours, stock):
+        generate_exactly_as_asked(each)
     return ours, stock
+
+
+def build_fp8_model(device, dtype, model="2b", **settings):
+    """`build_models`' ours (same weights and settings) with its text linears in Qwen's FP8 format (`quantize_fp8`:
+    e4m3 weights with a float32 scale per 128 x 128 block; vision and `lm_head` stay in `dtype`)."""
+    ours = quantize_fp8(build_ours(device, dtype, model, **settings))
+    generate_exactly_as_asked(ours)
+    return ours
 
 
 def text_prompt(config, batch, length, device, generator):

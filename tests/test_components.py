@@ -8,7 +8,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchEmb
 from conftest import build, chat, image
 from qwen3vl_static import ASStaticCache, Qwen3VLGraphConfig
 from qwen3vl_static import compat_qwen3vl_graph as compat
-from qwen3vl_static.presets import real_2b_config, tiny_config
+from qwen3vl_static.presets import real_config, tiny_config
 from qwen3vl_static.vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed
 
 
@@ -67,7 +67,7 @@ def test_buckets_derive_from_limits():
 
 
 def test_real_2b_architecture_ships_with_the_package():
-    config = real_2b_config()
+    config = real_config("2b")
     assert config.model_type == "qwen3_vl_graph"
     assert (config.text_config.num_hidden_layers, config.text_config.hidden_size) == (28, 2048)
     assert config.vision_config.deepstack_visual_indexes == [5, 11, 17]

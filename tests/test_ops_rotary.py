@@ -52,9 +52,9 @@ def test_decode_rotary_matches_the_stock_module(dtype):
         Qwen3VLTextRotaryEmbedding,
     )
 
-    from qwen3vl_static.presets import real_2b_config
+    from qwen3vl_static.presets import real_config
 
-    rotary_emb = Qwen3VLTextRotaryEmbedding(real_2b_config().text_config).to(DEVICE)
+    rotary_emb = Qwen3VLTextRotaryEmbedding(real_config("2b").text_config).to(DEVICE)
     components = rotary.rotary_components(rotary_emb, torch.device(DEVICE))
     assert components.tolist()[:6] == [0, 1, 2, 0, 1, 2] and components.tolist()[-4:] == [0, 0, 0, 0]  # interleaved
     positions = torch.randint(0, 100_000, (3, 5, 1), device=DEVICE)
