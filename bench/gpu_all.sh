@@ -22,7 +22,7 @@ for probe in ${PROBES:-}; do
 done
 if [ "${CUDA_TESTS:-1}" = 1 ]; then
   echo "== CUDA tests $(date +%T)" | tee -a "$log"
-  python3 -m pytest tests/test_cuda.py -q -s -p no:cacheprovider 2>&1 | tee -a "$log"
+  python3 -m pytest tests/test_cuda.py tests/test_cuda_fp8.py -q -s -p no:cacheprovider 2>&1 | tee -a "$log"
 fi
 IFS=';' read -ra bench_runs <<< "${BENCH_RUNS:-}"
 [ ${#bench_runs[@]} -gt 0 ] || bench_runs=("")

@@ -293,7 +293,6 @@ def test_model_quantized_in_place_saves_qwens_fp8_format(tmp_path):
         assert_holds(load_fp32(model_class, tmp_path), expected)
 
 
-@pytest.mark.xfail(reason="needs FP8 weights in the engine", strict=False)
 def test_engine_built_before_saving_keeps_per_module_fp8_tensors(tmp_path):
     model = fp8_model()
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
