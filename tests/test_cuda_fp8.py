@@ -1,6 +1,8 @@
 """GPU checks of FP8 weights (Qwen's fine-grained format) on the real 2B shapes, and of the 4B / 8B architectures
 (random weights; skipped without CUDA)."""
 
+import json
+
 import pytest
 import torch
 from test_cuda import generate, left_padded, teacher_forced_agreement
@@ -83,7 +85,8 @@ def test_transformers_quantizes_at_load_and_the_checkpoint_round_trips(tmp_path)
     for key, value in saved.state_dict().items():  # FP8 bytes compared as bytes
         raw = (lambda t: t.view(torch.uint8)) if value.dtype == torch.float8_e4m3fn else (lambda t: t)
         assert torch.equal(raw(reloaded[key]), raw(value)), key
-    assert again.config.quantization_config["weight_block_size"] == [128, 128]
+    written = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == "fp8" and written["weight_block_size"] == [128, 128]
 
 
 @pytest.mark.parametrize("model, fp8", [("4b", False), ("8b", False), ("8b", True)], ids=["4b", "8b", "8b-fp8"])
