@@ -211,8 +211,12 @@ def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values
 
 
 def vision_qkv_rope(qkv, heads, cos, sin):
-    """`vision_qkv_rope_reference` in one launch (the stock rotary is a dozen elementwise passes in float32)."""
+    """`vision_qkv_rope_reference` in one launch (the stock rotary is a dozen elementwise passes in float32); the
+    reference itself where half a head is not a power of two (the 8B tower's 72-wide heads), which the kernel's
+    `tl.arange` needs."""
     length, head_dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
+    if (head_dim // 2) & (head_dim // 2 - 1):
+        return vision_qkv_rope_reference(qkv, heads, cos, sin)
     q, k, v = torch.empty(3, length, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     launch(_vision_qkv_rope_kernel, (length,),
         qkv, cos.float().contiguous(), sin.float().contiguous(), q, k, v,

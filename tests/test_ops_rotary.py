@@ -76,3 +76,12 @@ def test_vision_qkv_rope_matches_the_stock_rotary(dtype):
     for tensor, reference in zip(got, expected, strict=True):
         assert tensor.shape == reference.shape == (1, heads, length, dim)
         torch.testing.assert_close(tensor, reference, **TOLERANCE[dtype])
+
+
+def test_vision_qkv_rope_takes_heads_of_any_width():
+    """The 8B tower's 72-wide heads (half a head is not a power of two) get the reference's numbers."""
+    from qwen3vl_static.ops_rotary_qwen3vl_graph import vision_qkv_rope, vision_qkv_rope_reference
+
+    qkv, cos, sin = torch.randn(5, 3 * 2 * 72), torch.randn(5, 72), torch.randn(5, 72)
+    for got, expected in zip(vision_qkv_rope(qkv, 2, cos, sin), vision_qkv_rope_reference(qkv, 2, cos, sin)):
+        torch.testing.assert_close(got, expected)
