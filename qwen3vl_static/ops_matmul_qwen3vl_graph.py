@@ -87,10 +87,12 @@ if triton is not None:
                     kb = start + block * 128 + tl.arange(0, 128)
                     w = tl.load(weight + weight_rows[:, None] * stride_w + kb[None, :],
                                 mask=live_rows[:, None] & (kb[None, :] < k_len), other=0.0).to(tl.float32)
-                    s = tl.load(scale + weight_rows // SCALE_ROWS * stride_s + start // 128 + block,
-                                mask=live_rows & (start + block * 128 < k_len), other=0.0)
+                    # A block past K (the last range's) reads the last scale, and rows past `rows` the last row: their
+                    # weights are masked to zero, their columns never stored.
+                    block_col = tl.minimum(start // 128 + block, (k_len - 1) // 128)
+                    s = tl.load(scale + weight_rows // SCALE_ROWS * stride_s + block_col, mask=live_rows, other=0.0)
                     for row in tl.static_range(FMA_ROWS):
-                        x_row = tl.load(x + row * stride_x + kb, mask=(kb < k_len) & (row < rows), other=0.0)
+                        x_row = tl.load(x + tl.minimum(row, rows - 1) * stride_x + kb, mask=kb < k_len, other=0.0)
                         part = tl.sum(w * x_row.to(tl.float32)[None, :], axis=1) * s
                         acc = tl.where(row_ids[None, :] == row, acc + part[:, None], acc)
             else:
