@@ -1,7 +1,8 @@
 """`python -m qwen3vl_static bench`: ours against stock transformers, in one process, on the same inputs.
 
 Random bf16 weights with the exact shapes of a preset (`--model`: Qwen3-VL-2B, 4B or 8B; speed does not depend on
-weight values); with `--fp8` also ours with the same weights in Qwen's FP8 format. Every number comes from tokens
+weight values); with `--fp8` also ours with the same weights in Qwen's FP8 format; with `--serving` also the shapes
+users run (`serving`: sampled decoding, a batch of image prompts, long contexts, batch 64). Every number comes from tokens
 really generated: decode ms/step is the slope between two generation lengths (prefill cancels out), and every run's
 token count is checked. EOS is disabled so all systems generate the same number of tokens.
 """
