@@ -1,31 +1,45 @@
 """`python -m qwen3vl_static bench`: ours against stock transformers, in one process, on the same inputs.
 
 Random bf16 weights with the exact shapes of a preset (`--model`: Qwen3-VL-2B, 4B or 8B; speed does not depend on
-weight values); with `--fp8` also ours with the same weights in Qwen's FP8 format. Every number comes from tokens
+weight values); with `--fp8` also ours with the same weights in Qwen's FP8 format; with `--serving` also the shapes
+users run (`serving`: sampled decoding, a batch of image prompts, long contexts, batch 64). Every number comes from tokens
 really generated: decode ms/step is the slope between two generation lengths (prefill cancels out), and every run's
 token count is checked. EOS is disabled so all systems generate the same number of tokens.
 """
 
+import gc
 import json
 import platform
 import sys
 import time
 from datetime import date
+from functools import partial
 from pathlib import Path
 
 import torch
 import transformers
 
 from .compat_qwen3vl_graph import CACHE_KWARG, returned_cache
+from .presets import real_generation_config
 from .workloads import (
     build_fp8_model,
     build_models,
+    build_ours,
+    generate_exactly_as_asked,
     image_prompt,
     second_turn,
     text_prompt,
 )
 
 SHORT, LONG = 16, 80  # decode lengths whose time difference gives ms/step
+SEED = 0  # of every call whose tokens a check reads (sampled runs repeat it)
+SERVING_BATCHES = (1, 8)  # batch sizes of the --serving decoding-mode rows
+# --serving decode at scale: (ours' settings, [(batch size, context tokens)]); each setting is a model of its own,
+# built, warmed, measured and freed in turn (its KV cache must hold context + LONG tokens per row).
+DECODE_AT_SCALE = [
+    ({"static_cache_len": 8192}, [(1, 7800), (8, 4000)]),  # long contexts, at the default 8 rows
+    ({"max_batch_size": 64, "static_cache_len": 512}, [(64, 256)]),  # many short requests
+]
 
 
 def timed_generate(model, prompt, new_tokens, **kwargs):
@@ -37,6 +51,26 @@ def timed_generate(model, prompt, new_tokens, **kwargs):
     generated = out.shape[1] - prompt["input_ids"].shape[1]
     assert generated == new_tokens, f"asked for {new_tokens} tokens, got {generated}"
     return out, seconds
+
+
+def decode_slope(model, prompt, **kwargs):
+    """Decode ms/step, the slope between SHORT and LONG new tokens after an untimed call (prefill and per-call
+    costs cancel out), and the LONG call's output; that call is seeded with SEED, so a sampled one can be repeated."""
+    timed_generate(model, prompt, SHORT, **kwargs)  # warm caches / graphs / compile
+    _, short = timed_generate(model, prompt, SHORT, **kwargs)
+    torch.manual_seed(SEED)
+    out, long = timed_generate(model, prompt, LONG, **kwargs)
+    return 1000 * (long - short) / (LONG - SHORT), out
+
+
+def equals_eager_static_path(model, prompt, tokens) -> bool:
+    """Whether greedy `tokens`, a `generate` output of `prompt`, equal the same call on the eager static path."""
+    model.set_cuda_graphs(False)
+    try:
+        eager = timed_generate(model, prompt, tokens.shape[1] - prompt["input_ids"].shape[1])[0]
+    finally:
+        model.set_cuda_graphs(True)
+    return bool(torch.equal(tokens, eager))
 
 
 def second_turn_ttft(model, image, generator, repeats=5) -> dict:
@@ -75,12 +109,9 @@ def measure(system, model, prompts, image, **kwargs):
     """Decode ms/step per batch size, TTFT and end-to-end throughput for one system."""
     rows = []
     for batch, prompt in prompts.items():
-        timed_generate(model, prompt, SHORT, **kwargs)  # warm caches / graphs / compile
-        _, short = timed_generate(model, prompt, SHORT, **kwargs)
-        long_out, long = timed_generate(model, prompt, LONG, **kwargs)
+        ms_per_step, long_out = decode_slope(model, prompt, **kwargs)
         rows.append({"system": system, "batch_size": batch, "context_tokens": prompt["input_ids"].shape[1],
-                     "new_tokens": LONG, "decode_ms_per_step": 1000 * (long - short) / (LONG - SHORT),
-                     "tokens": long_out})
+                     "new_tokens": LONG, "decode_ms_per_step": ms_per_step, "tokens": long_out})
     timed_generate(model, image, 1, **kwargs)
     ttft = min(timed_generate(model, image, 1, **kwargs)[1] for _ in range(5))
     image_out, e2e = min((timed_generate(model, image, 128, **kwargs) for _ in range(3)), key=lambda run: run[1])
@@ -121,21 +152,25 @@ def replay_times(graph, name) -> dict:
 
 
 def ttft_breakdown(ours, stock, prompts) -> list:
-    """Per image prompt: TTFT (`max_new_tokens=1`) of ours and stock, and the vision tower alone (ours: graph replay
-    and the whole call; stock). Where ours spends its TTFT, stage by stage: bench/probes/ttft_probe.py."""
+    """Per image prompt: TTFT (`max_new_tokens=1`) of ours and stock, the vision tower alone (ours: graph replay
+    and the whole call; stock), and whether ours' first token equals its eager static path's. Where ours spends its
+    TTFT, stage by stage: bench/probes/ttft_probe.py."""
     rows = []
     engine = ours.graph_engine()
     for name, prompt in prompts.items():
         pixels, grid = prompt["pixel_values"].to(torch.bfloat16), prompt["image_grid_thw"]
-        row = {"image": name, "patches": pixels.shape[0], "prompt_tokens": prompt["input_ids"].shape[1],
+        batch, length = prompt["input_ids"].shape
+        row = {"image": name, "batch_size": batch, "patches": pixels.shape[0], "prompt_tokens": length,
                "vision_graph": engine.vision.shape(pixels.shape[0], int(grid[:, 0].sum())),  # (patches computed, masked)
-               "prefill_bucket": engine.prefill.bucket(1, prompt["input_ids"].shape[1])}
-        row["ttft_ms"] = best_ms(lambda: timed_generate(ours, prompt, 1))
+               "prefill_bucket": engine.prefill.bucket(batch, length)}
+        row["ttft_ms"] = best_ms(partial(timed_generate, ours, prompt, 1))
+        first = timed_generate(ours, prompt, 1)[0]
+        row["first_token_equals_eager_static_path"] = equals_eager_static_path(ours, prompt, first)
         with torch.no_grad():
-            row["vision_tower_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
+            row["vision_tower_ms"] = best_ms(partial(ours.model.visual, pixels, grid_thw=grid))
             row.update(replay_times(engine.vision.graphs.get(row["vision_graph"]), "vision_graph"))
-            row["stock_vision_tower_ms"] = best_ms(lambda: stock.model.visual(pixels, grid_thw=grid), repeats=3)
-        row["stock_ttft_ms"] = best_ms(lambda: timed_generate(stock, prompt, 1), repeats=3)
+            row["stock_vision_tower_ms"] = best_ms(partial(stock.model.visual, pixels, grid_thw=grid), repeats=3)
+        row["stock_ttft_ms"] = best_ms(partial(timed_generate, stock, prompt, 1), repeats=3)
         rows.append(row)
     return rows
 
@@ -183,6 +218,85 @@ def graph_equals_eager_static_path(model, rows, prompts, image) -> bool:
     return all(torch.equal(r["tokens"], eager_static[(r["batch_size"], r["new_tokens"])]) for r in rows)
 
 
+def sampling_modes(model: str) -> dict:
+    """`generate` kwargs of the --serving decoding modes: greedy; sampling at the checkpoint's generation_config
+    (Qwen3-VL's: temperature 0.7, top-k 20, top-p 0.8); the same without top-k (for top_k=0 transformers adds no
+    top-k warper)."""
+    qwen = real_generation_config(model)
+    defaults = {"do_sample": True, "temperature": qwen.temperature, "top_k": qwen.top_k, "top_p": qwen.top_p}
+    return {"greedy": {"do_sample": False}, "qwen_defaults": defaults, "top_p_only": {**defaults, "top_k": 0}}
+
+
+def serving_sampling(ours, stock, prompts, modes) -> list:
+    """Per batch size and decoding mode: decode ms/step of ours and stock eager and, for a sampled mode, minus the
+    greedy mode's. Checks of ours' LONG calls: greedy, against the eager static path; sampled, the seeded call run
+    again gives the same tokens, and they differ from greedy's (every call's token count: `timed_generate`)."""
+    rows = []
+    for batch, prompt in prompts.items():
+        greedy_row = greedy_tokens = None
+        for mode, kwargs in modes.items():  # greedy first: the sampled modes subtract its ms/step
+            ours_ms, tokens = decode_slope(ours, prompt, **kwargs)
+            stock_ms = decode_slope(stock, prompt, **kwargs)[0]
+            row = {"mode": mode, **{key: value for key, value in kwargs.items() if key != "do_sample"},
+                   "batch_size": batch, "context_tokens": prompt["input_ids"].shape[1], "new_tokens": LONG,
+                   "ours_decode_ms_per_step": ours_ms, "hf_eager_decode_ms_per_step": stock_ms}
+            if not kwargs["do_sample"]:
+                greedy_row, greedy_tokens = row, tokens
+                row["tokens_equal_eager_static_path"] = equals_eager_static_path(ours, prompt, tokens)
+            else:
+                torch.manual_seed(SEED)
+                repeated = timed_generate(ours, prompt, LONG, **kwargs)[0]
+                row.update(ours_minus_greedy_ms_per_step=ours_ms - greedy_row["ours_decode_ms_per_step"],
+                           hf_eager_minus_greedy_ms_per_step=stock_ms - greedy_row["hf_eager_decode_ms_per_step"],
+                           seeded_run_reproduces=bool(torch.equal(tokens, repeated)),
+                           sampled_tokens_differ_from_greedy=not torch.equal(tokens, greedy_tokens))
+            rows.append(row)
+    return rows
+
+
+def serving_decode(args, stock, settings, generator) -> list:
+    """Decode ms/step of ours and stock eager (text prompts, greedy) at the sizes of DECODE_AT_SCALE, each ours model
+    built with its settings (and stock's weights and dtype) and freed after; ours' LONG tokens are checked against
+    its eager static path."""
+    device, dtype = stock.device, stock.dtype
+    rows = []
+    for model_settings, shapes in DECODE_AT_SCALE:
+        model = build_ours(device, dtype, args.model, **settings, **model_settings)  # seed 0: stock's weights
+        generate_exactly_as_asked(model)
+        for batch, context in shapes:
+            prompt = text_prompt(model.config, batch, context, device, generator)
+            warmup_s = model.warmup(batch_sizes=[batch], cache_lengths=[context + LONG], modes=("greedy",),
+                                    prompt_lengths=[context], image_patches=[])
+            ours_ms, tokens = decode_slope(model, prompt)
+            rows.append({"batch_size": batch, "context_tokens": context, "new_tokens": LONG,
+                         "ours_settings": model_settings, "ours_warmup_s": warmup_s, "ours_decode_ms_per_step": ours_ms,
+                         "hf_eager_decode_ms_per_step": decode_slope(stock, prompt)[0],
+                         "tokens_equal_eager_static_path": equals_eager_static_path(model, prompt, tokens)})
+        del model  # before the next one is built: its graphs and KV cache go with it
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def serving(args, ours, stock, single_image_ttft, settings, generator) -> dict:
+    """The --serving rows: decoding modes (`serving_sampling`) on the default model at SERVING_BATCHES and
+    `--context` tokens; TTFT of one 448x448 image + 30 tokens (the `ttft_breakdown` row `single_image_ttft`) and of
+    8 such rows in one batch; decode at long contexts and at batch 64 (`serving_decode`)."""
+    device = ours.device
+    modes = sampling_modes(args.model)
+    prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in SERVING_BATCHES}
+    ours.warmup(batch_sizes=list(SERVING_BATCHES), cache_lengths=[args.context + LONG], modes=("greedy", "sample"),
+                prompt_lengths=[args.context], image_patches=[])
+    sampling = serving_sampling(ours, stock, prompts, modes)
+    batched = image_prompt(ours.config, device, generator, batch=8)
+    batch, length = batched["input_ids"].shape
+    # The first token takes no decode step: the decode graph warmed is the smallest that holds the prompt.
+    ours.warmup(batch_sizes=[batch], cache_lengths=[length + 1], modes=("greedy",), prompt_lengths=[length],
+                image_patches=[batched["pixel_values"].shape[0]])
+    ttft = [single_image_ttft, *ttft_breakdown(ours, stock, {"448x448 per row": batched})]
+    return {"sampling": sampling, "ttft": ttft, "decode": serving_decode(args, stock, settings, generator)}
+
+
 def run(args) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA GPU; on a CPU run `python -m qwen3vl_static demo`")
@@ -222,6 +336,7 @@ def run(args) -> dict:
         row["first_divergence"] = None if row["tokens_match_reference"] else int(
             (row["tokens"] != ref).any(0).nonzero()[0])
     graph_equals_eager = graph_equals_eager_static_path(ours, [r for r in results if r["system"] == "ours"], prompts, image)
+    serving_rows = {"serving": serving(args, ours, stock, ttft[0], settings, generator)} if args.serving else {}
 
     fp8 = {}
     if args.fp8:
@@ -250,6 +365,7 @@ def run(args) -> dict:
         "ttft_breakdown": ttft,
         "ttft_second_turn": ttft_second_turn,
         "results": results,
+        **serving_rows,
     }
 
 
@@ -259,12 +375,16 @@ def measure_tokens(model, prompts, image):
     return out
 
 
-def report(summary, out_dir: Path) -> Path:
-    columns = ["system", "batch_size", "context_tokens", "new_tokens", "decode_ms_per_step", "ttft_ms",
-               "e2e_tokens_per_s", "warmup_s", "weight_gb", "peak_mem_gb", "tokens_match_reference"]
+def print_table(rows, columns) -> None:
     print(" | ".join(columns))
-    for row in summary["results"]:
+    for row in rows:
         print(" | ".join(f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns))
+
+
+def report(summary, out_dir: Path) -> Path:
+    print_table(summary["results"], ["system", "batch_size", "context_tokens", "new_tokens", "decode_ms_per_step",
+                                     "ttft_ms", "e2e_tokens_per_s", "warmup_s", "weight_gb", "peak_mem_gb",
+                                     "tokens_match_reference"])
     print("time to first token:", json.dumps(summary["ttft_breakdown"], indent=1))
     print("second turn:", json.dumps(summary["ttft_second_turn"], indent=1))
     print(f"kv cache {summary['kv_cache_gb']:.3f} GB, graph pool after warmup {summary['graph_pool_reserved_gb_after_warmup']:.3f} GB")
@@ -275,6 +395,19 @@ def report(summary, out_dir: Path) -> Path:
         print(f"fp8: kv cache {fp8['kv_cache_gb']:.3f} GB, graph pool after warmup {fp8['graph_pool_reserved_gb_after_warmup']:.3f} GB")
         print("fp8: warmup, seconds:", {key: round(value, 3) for key, value in fp8["warmup_seconds"].items()})
         print("fp8: graph == eager static path:", summary["graph_equals_eager_static_path_fp8"])
+    if "serving" in summary:
+        serving = summary["serving"]
+        print("serving, decode ms/step by decoding mode:")
+        print_table(serving["sampling"], ["mode", "batch_size", "context_tokens", "ours_decode_ms_per_step",
+                                          "ours_minus_greedy_ms_per_step", "hf_eager_decode_ms_per_step",
+                                          "hf_eager_minus_greedy_ms_per_step", "tokens_equal_eager_static_path",
+                                          "seeded_run_reproduces", "sampled_tokens_differ_from_greedy"])
+        print("serving, TTFT of 448x448 image prompts:")
+        print_table(serving["ttft"], ["image", "batch_size", "prompt_tokens", "patches", "ttft_ms", "stock_ttft_ms",
+                                      "vision_tower_ms", "stock_vision_tower_ms", "first_token_equals_eager_static_path"])
+        print("serving, decode ms/step at scale:")
+        print_table(serving["decode"], ["batch_size", "context_tokens", "ours_decode_ms_per_step",
+                                        "hf_eager_decode_ms_per_step", "ours_warmup_s", "tokens_equal_eager_static_path"])
     out_dir.mkdir(parents=True, exist_ok=True)
     name = summary["device"].replace(" ", "-").lower() + ("" if summary["model"] == "2b" else f"-{summary['model']}")
     path = out_dir / f"{name}-{summary['date'].replace('-', '')}.json"

@@ -56,24 +56,29 @@ def text_prompt(config, batch, length, device, generator):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def image_prompt(config, device, generator, sides=(448,), question=30):
-    """Square images of these sides + a `question`-token text, laid out as Qwen3VLProcessor lays them out."""
+def image_prompt(config, device, generator, sides=(448,), question=30, batch=1):
+    """`batch` rows, each of square images of these sides + a `question`-token text, laid out as Qwen3VLProcessor
+    lays them out: every row has its own pixels and question, the pixel patches of all images follow each other in
+    row order, with one `image_grid_thw` row per image."""
     vision = config.vision_config
     grids = [side // vision.patch_size for side in sides]
-    parts = []
-    for grid in grids:
-        tokens = grid * grid // vision.spatial_merge_size**2
-        parts += [torch.tensor([config.vision_start_token_id]), torch.full((tokens,), config.image_token_id),
-                  torch.tensor([config.vision_end_token_id])]
-    ids = torch.cat(parts + [torch.randint(0, 150000, (question,), generator=generator)])[None]
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    patches = sum(grid * grid for grid in grids)
+    rows, pixels = [], []
+    for _ in range(batch):
+        parts = []
+        for grid in grids:
+            tokens = grid * grid // vision.spatial_merge_size**2
+            parts += [torch.tensor([config.vision_start_token_id]), torch.full((tokens,), config.image_token_id),
+                      torch.tensor([config.vision_end_token_id])]
+        rows.append(torch.cat(parts + [torch.randint(0, 150000, (question,), generator=generator)]))
+        pixels.append(torch.randn(sum(grid * grid for grid in grids), patch_dim, generator=generator))
+    ids = torch.stack(rows)
     return {
         "input_ids": ids.to(device),
         "attention_mask": torch.ones_like(ids).to(device),
         **({"mm_token_type_ids": (ids == config.image_token_id).int().to(device)} if TAKES_MM_TOKEN_TYPE_IDS else {}),
-        "pixel_values": torch.randn(patches, patch_dim, generator=generator).to(device),
-        "image_grid_thw": torch.tensor([[1, grid, grid] for grid in grids], device=device),
+        "pixel_values": torch.cat(pixels).to(device),
+        "image_grid_thw": torch.tensor([[1, grid, grid] for grid in grids] * batch, device=device),
     }
 
 
