@@ -42,7 +42,7 @@ def fuse_weights(linears):
     for linear in linears:
         linear.weight.data = fused[start : start + linear.out_features]
         start += linear.out_features
-    if isinstance(linear_weight(linears[0]), Fp8Weight):
+    if fused.dtype == torch.float8_e4m3fn:
         return Fp8Weight(fused, *fused_fp8_scales(linears))
     return fused
 

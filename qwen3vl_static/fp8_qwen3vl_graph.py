@@ -38,9 +38,6 @@ class Fp8Weight(NamedTuple):
     def stride(self, dim: int) -> int:
         return self.data.stride(dim)
 
-    def element_size(self) -> int:
-        return 1
-
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The matrix in `dtype` (float32 products, one rounding), for the torch reference ops."""
         rows, cols = self.data.shape
@@ -63,8 +60,9 @@ SUPPORTED_FP8 = f"FP8 float8_e4m3fn weights, block {SUPPORTED_BLOCK}, torch.floa
 
 
 def linear_weight(module: nn.Linear):
-    """`module`'s weight as the ops take it: the tensor itself, or an `Fp8Weight` of its FP8 bytes and scales."""
-    if fp8_module_format(module) is None:
+    """`module`'s weight as the ops take it: the tensor itself, or an `Fp8Weight` of its FP8 bytes and scales (an
+    engine exists only where every FP8 linear is in the supported format: `unsupported_weights`)."""
+    if module.weight.dtype != torch.float8_e4m3fn:
         return module.weight
     return Fp8Weight(module.weight, module.weight_scale_inv, SUPPORTED_BLOCK[0])
 
