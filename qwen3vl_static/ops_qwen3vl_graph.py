@@ -177,17 +177,22 @@ class TritonOps(TorchOps):
         return linear_gelu_tanh(x, weight, bias)
 
     def linear_swiglu(self, x, gate_up_weight):
-        """The gate/up projection then the SwiGLU kernel, or one skinny matmul with SwiGLU as its epilogue (4 or 6
-        stages): whichever measured fastest."""
+        """Whichever measured fastest of: the gate/up projection then the SwiGLU kernel; the skinny matmul's partial
+        products, summed by the SwiGLU kernel (at `stage_configs`' tilings); one skinny matmul with SwiGLU as its
+        epilogue (4 or 6 stages, K whole)."""
         def separate():
             return super(TritonOps, self).linear_swiglu(x, gate_up_weight)
 
         if not skinny(x, gate_up_weight):
             return separate()
+        summed_by_swiglu = [lambda config=config: silu_mul(skinny_matmul(x, gate_up_weight, config, partials=True),
+                                                           x.dtype)
+                            for config in stage_configs(rule_config(gate_up_weight), gate_up_weight)]
         fused = [lambda config=config: skinny_matmul(x, gate_up_weight, config, swiglu=True)
                  for config in stage_configs(rule_config(gate_up_weight, can_split=False), gate_up_weight,
                                              can_split=False)]
-        return self.tuner.measured("linear_swiglu", matmul_shape(x, gate_up_weight), x.device, (separate, *fused))
+        return self.tuner.measured("linear_swiglu", matmul_shape(x, gate_up_weight), x.device,
+                                   (separate, *summed_by_swiglu, *fused))
 
     def linear_add_rms_norm(self, x, weight, bias, hidden, norm_weight, eps):
         """Whichever measured fastest of: the projection then the add-and-norm kernel; the skinny matmul's partial

@@ -78,6 +78,9 @@ def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form):
 def test_silu_mul(dtype):
     gate_up = randn(3, 2 * 1500, dtype=dtype)
     torch.testing.assert_close(matmul.silu_mul(gate_up), matmul.silu_mul_reference(gate_up), **TOLERANCE[dtype])
+    parts = randn(4, 3, 2 * 1500, dtype=torch.float32)  # a split-K matmul's partial products, summed as they load
+    torch.testing.assert_close(matmul.silu_mul(parts, dtype), matmul.silu_mul_reference(parts.sum(0).to(dtype)),
+                               **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
