@@ -274,10 +274,12 @@ def check_fp8_tiling(weight, config, k_split) -> None:
 
 
 def fma_configs(weight) -> list:
-    """The FMA form's tilings an FP8 projection is measured at: 4 warps, tiles of 16 columns x 512 or 256 inputs and
-    8 x 512, K cut into ranges of that width (on an H200 these beat 8 warps and 16K-input tiles at every 2B shape)."""
-    return [SkinnyConfig(block_n, width, triton.cdiv(weight.shape[1], width), num_warps=4, num_stages=1, fma=True)
-            for block_n, width in ((16, 512), (16, 256), (8, 512)) if width <= triton.next_power_of_2(weight.shape[1])]
+    """The FMA form's tilings an FP8 projection is measured at, K cut into ranges of the tile's width: 16 columns x
+    512 or 256 inputs and 8 x 512 on 4 warps (on an H200 the fastest at every 2B shape), 16 x 1024 on 8 warps (fewer
+    programs over a large matrix's K)."""
+    tilings = ((16, 512, 4), (16, 256, 4), (8, 512, 4), (16, 1024, 8))
+    return [SkinnyConfig(block_n, width, triton.cdiv(weight.shape[1], width), num_warps=warps, num_stages=1, fma=True)
+            for block_n, width, warps in tilings if width <= triton.next_power_of_2(weight.shape[1])]
 
 
 def fp8_dot_configs(weight) -> list:
