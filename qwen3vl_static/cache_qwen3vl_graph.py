@@ -62,6 +62,18 @@ class ASStaticCache(StaticCache):
         self.set_length(held)
         self.resumed = True
 
+    def hold_rows(self) -> None:
+        """Views of no slots, length 0: continuous batching hands `generate` this cache to admit one request while the
+        rows hold others (the request's prefill writes its own row; nothing reads these views)."""
+        self._view(1, 0)
+        self.reset()
+        self.tokens, self.resumed = None, False
+
+    def clear(self) -> None:
+        """Every row empty again (after continuous batching, whose rows held requests of their own)."""
+        self.activate(self.rows, self.capacity)
+        self.set_length(0)
+
     def filled(self) -> int:
         """Slots that a later turn continues from: what the static loop recorded, else the layers' own count (4.57
         counts non-zero slots, which left padding with a zero pad embedding undercounts)."""

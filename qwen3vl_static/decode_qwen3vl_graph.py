@@ -85,6 +85,42 @@ class DecodeRunner(GraphRunner):
         self.pad_id.fill_(0 if pad_id is None else int(pad_id))
         self.unfinished.fill_(False)
 
+    # -- rows that start and stop on their own (continuous batching) ---------------------------------------
+
+    def open_slots(self, pad_id) -> None:
+        """Every row free: no request, inert (pad token, nothing attended beyond slot 0, finished). The device sees no
+        EOS ids: the host finishes each row by its own request's rules."""
+        self.idle()
+        self.input_ids.fill_(0 if pad_id is None else int(pad_id))
+        self.eos_ids.fill_(-1)
+        self.pad_id.fill_(0 if pad_id is None else int(pad_id))
+
+    def admit(self, row: int, token, positions, length: int, temperature: float, top_k: int | None,
+              top_p: float | None) -> None:
+        """Row `row` continues a request whose prompt fills its first `length` cache slots: `token` is its next input,
+        at M-RoPE `positions` `(3,)`; its sampling parameters are its own."""
+        self.input_ids[row, 0] = token
+        self.positions[:, row, 0] = positions
+        self.cache_lens[row] = length
+        self.attendable[row] = True
+        self.unfinished[row] = True
+        self.temperature[row] = temperature
+        self.top_k[row] = self.logits.shape[1] if top_k is None else top_k
+        self.top_p[row] = float("inf") if top_p is None else top_p
+
+    def release(self, row: int) -> None:
+        """Row `row` is free again (inert, as `open_slots` leaves it)."""
+        self.unfinished[row] = False
+        self.input_ids[row, 0] = self.pad_id
+
+    def continue_rows(self, rows: int, length: int) -> None:
+        """The next chunk steps the first `rows` rows, the longest of them holding `length` cache slots. Free rows go
+        back to slot 0 of their own cache row first, so however long they stay free they never pass its end."""
+        free = ~self.unfinished
+        self.cache_lens.masked_fill_(free, 0)
+        self.positions.masked_fill_(free[None, :, None], 0)
+        self.batch_size, self.length = rows, length
+
     # -- stepping ------------------------------------------------------------------------------------------
 
     def logits_step(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLModel
 from transformers.utils import logging
 
+from .batching_qwen3vl_graph import GraphBatchingManager
 from .cache_qwen3vl_graph import ASStaticCache
 from .compat_qwen3vl_graph import CACHE_KWARG, first_decode_positions, generate_output, media_features, prompt_positions
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
@@ -81,6 +82,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         self.warmup_report = {}
         # One request at a time owns the cache and the runners' buffers.
         self._generate_lock = threading.RLock()
+        # While continuous batching admits a request: `generate` prefills it into that `Admission`'s free row.
+        self._admission = None
 
     def generate(self, *args, **kwargs):
         with self._generate_lock, self.backend_flags():
@@ -163,6 +166,19 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         self.config.use_cuda_graphs = enabled
         self.graph_engine().set_graphs(enabled)
 
+    def init_continuous_batching(self, generation_config=None, max_queue_size: int = 0) -> GraphBatchingManager:
+        """A continuous-batching manager for this model (not started), as transformers' own: `start()`,
+        `add_request(input_ids, request_id, max_new_tokens, **settings_and_model_inputs)`, `get_result()`,
+        `stop()`. Requests take the static cache's rows as they free up, images and videos included
+        (batching_qwen3vl_graph.py)."""
+        return GraphBatchingManager(self, generation_config, max_queue_size)
+
+    def generate_batch(self, inputs, generation_config=None, progress_bar: bool = True, **kwargs) -> dict:
+        """Generate for every one of `inputs` (token ids, or a dict of one prompt's processor outputs) by continuous
+        batching; `kwargs` apply to each (e.g. `max_new_tokens`). Returns {request id: GenerationOutput} in input
+        order; a request that cannot run has status FAILED and an `error` naming why, and the others finish."""
+        return self.init_continuous_batching(generation_config).generate_all(inputs, progress_bar, **kwargs)
+
     def _static_loop_blocker(self, generation_config, model_kwargs, generation_mode) -> str | None:
         """Why this call must run transformers' own loop, or None when the static loop covers it."""
         if generation_mode not in _LOOP_MODES:
@@ -195,6 +211,13 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             )
         blocker = self._static_loop_blocker(generation_config, model_kwargs, generation_mode)
         cache = self._engine.cache  # current: `generate` called `_current_engine()` under its lock
+        if self._admission is not None:  # continuous batching: the other rows keep what they hold
+            if blocker is not None:
+                raise ValueError(f"Continuous batching does not take {blocker}.")
+            cache.check_capacity(batch_size, max_cache_length)
+            cache.hold_rows()
+            model_kwargs[CACHE_KWARG] = cache
+            return
         resumed = model_kwargs.get(CACHE_KWARG) is cache
         if blocker is not None:
             logger.warning_once(f"{type(self).__name__}: {blocker} runs transformers' stock generation loop.")
@@ -241,6 +264,9 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         streamer=None,
         **model_kwargs,
     ):
+        if self._admission is not None:
+            return self._admission.prefill(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                           model_kwargs)
         engine = self._engine
         cache = engine.cache if engine is not None else None
         static = engine is not None and model_kwargs.get(CACHE_KWARG) is cache
@@ -273,9 +299,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                                    tuple(raw_logits) if raw_logits else None, cache)
         return sequences
 
-    def _prefill_prompt(self, input_ids, model_kwargs, start: int):
+    def _prefill_prompt(self, input_ids, model_kwargs, start: int, first_row: int = 0):
         """Vision tower and prefill of the prompt's tokens from slot `start` on (the cache holds the ones before) into
-        the static cache; returns the float32 logits of the last position and the new tokens' M-RoPE positions."""
+        the static cache's rows from `first_row` on; returns the float32 logits of the last position and the new
+        tokens' M-RoPE positions."""
         new = input_ids[:, start:]
         # Whether the prompt has padding: a host read before the tower is queued (a read after it would wait for it).
         attention_mask = model_kwargs.get("attention_mask")
@@ -290,7 +317,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             visual = torch.cat([features for _, _, features, _ in media])
             deepstack = [torch.cat(layer) for layer in zip(*(layers for _, _, _, layers in media))]
         positions = prompt_positions(self, input_ids, model_kwargs, start)
-        logits = self._engine.prefill.run(new, attention_mask, positions, modality, visual, deepstack, padded, start)
+        logits = self._engine.prefill.run(new, attention_mask, positions, modality, visual, deepstack, padded, start,
+                                          first_row)
         return logits, positions
 
 

@@ -17,7 +17,9 @@ function of fixed-shape tensors, so it can be captured as a CUDA graph per (batc
   through a graph keyed by the KV-length bucket that covers them. Graphs are keyed by (rows, tokens, KV slots,
   masked); a fresh prompt's KV slots are its own tokens;
 - K/V of all bucket slots are written to the cache: slots past the prompt hold padding values that the decode
-  step overwrites before anything reads them (it attends to written slots only).
+  step overwrites before anything reads them (it attends to written slots only);
+- the prompt's rows are cache rows [first_row, first_row + rows), `first_row` a buffer like `start`: continuous
+  batching prefills a request into a free row while the other rows hold theirs, through the same graphs.
 A prompt larger than the graph budget runs the same function eagerly at its exact size.
 """
 
@@ -63,12 +65,14 @@ class PrefillRunner(GraphRunner):
         # Per row and cache slot: whether a query may attend to it (the attention mask over cached and new tokens).
         self.attendable = buffer(cache.rows if self.bucketed else 0, cache.capacity, dtype=torch.bool)
         self.start = buffer(1)  # the first slot the prompt writes (what the cache already holds)
+        self.first_row = buffer(1)  # the cache row of the prompt's first row
         self.last = buffer(1)
         self.logits = buffer(cache.rows if self.bucketed else 0, text.lm_head.shape[0], dtype=torch.float32)
 
-    def run(self, input_ids, attention_mask, positions, modality, visual=None, deepstack=(), padded=True, start: int = 0):
-        """Prefill `input_ids` `(b, s)` with M-RoPE `positions` `(3, b, s)` into cache slots [start, start + s),
-        after the `start` slots the cache already holds. `attention_mask` `(b, start + s)` covers both (None: all
+    def run(self, input_ids, attention_mask, positions, modality, visual=None, deepstack=(), padded=True, start: int = 0,
+            first_row: int = 0):
+        """Prefill `input_ids` `(b, s)` with M-RoPE `positions` `(3, b, s)` into cache slots [start, start + s) of
+        cache rows [first_row, first_row + b), after the `start` slots the cache already holds. `attention_mask` `(b, start + s)` covers both (None: all
         ones). `modality` `(b, s)`: 0 for a token embedded as text, 1 (2) for one that takes the next image (video)
         feature; `visual` `(n, hidden)` and each of `deepstack` hold those features, the images' first (None for
         text). `padded`: whether `attention_mask` has any zero (the caller knows it without another host read).
@@ -85,8 +89,9 @@ class PrefillRunner(GraphRunner):
             if visual is None:  # zero features: the same ops as a multimodal prompt, adding exact zeros
                 visual = self.visual[:1].new_zeros(1, self.visual.shape[1])
                 deepstack = [visual] * self.deepstack.shape[0]
-            first, last = (torch.full((1,), value, dtype=torch.long, device=input_ids.device) for value in (start, length - 1))
-            return self.forward(input_ids, positions, attendable, modality, visual, deepstack, first, last, masked)
+            first, last, row = (torch.full((1,), value, dtype=torch.long, device=input_ids.device)
+                                for value in (start, length - 1, first_row))
+            return self.forward(input_ids, positions, attendable, modality, visual, deepstack, first, last, row, masked)
         rows, size, kv_slots = key
         for buffer, value in zip((self.input_ids, self.modality), (input_ids, modality)):
             view = buffer[: rows * size].view(rows, size)
@@ -103,6 +108,7 @@ class PrefillRunner(GraphRunner):
                 buffer[: features.shape[0]] = features
         self.start.fill_(start)
         self.last.fill_(length - 1)
+        self.first_row.fill_(first_row)
         self.execute((*key, masked))
         return self.logits[:batch].clone()
 
@@ -110,7 +116,8 @@ class PrefillRunner(GraphRunner):
         """Inputs for warm-up steps, in bounds for every bucket: text token 0 at position 0 written to slot 0 on, each
         slot unattendable (a token still sees itself), the output read at token 0 (a previous, longer prompt's last
         token lies past a smaller bucket)."""
-        for buffer in (self.input_ids, self.positions, self.modality, self.attendable, self.start, self.last):
+        for buffer in (self.input_ids, self.positions, self.modality, self.attendable, self.start, self.last,
+                       self.first_row):
             buffer.zero_()
 
     def bucket(self, batch: int, length: int, start: int = 0):
@@ -133,7 +140,7 @@ class PrefillRunner(GraphRunner):
         self.logits[:rows] = self.forward(
             self.input_ids[:tokens].view(rows, size), self.positions[:, :tokens].view(3, rows, size),
             self.attendable[:rows, :kv_slots], self.modality[:tokens].view(rows, size),
-            self.visual, self.deepstack, self.start, self.last, masked,
+            self.visual, self.deepstack, self.start, self.last, self.first_row, masked,
         )
 
     def describe(self, key) -> str:
@@ -141,9 +148,10 @@ class PrefillRunner(GraphRunner):
         after = f" after the cache, {kv_slots} slots" if kv_slots != size else ""
         return f"prefill ({rows} rows x {size} tokens{after}{', masked' if masked else ''})"
 
-    def forward(self, input_ids, positions, attendable, modality, visual, deepstack, start, last, masked) -> torch.Tensor:
+    def forward(self, input_ids, positions, attendable, modality, visual, deepstack, start, last, first_row,
+                masked) -> torch.Tensor:
         """The prompt forward on tensors of one fixed shape `(rows, size)`; writes K/V of slots [start, start + size)
-        and attends to the slots of `attendable` `(rows, KV slots)`. `masked`: some slot is not attendable or the
+        of cache rows [first_row, first_row + rows) and attends to the slots of `attendable` `(rows, KV slots)`. `masked`: some slot is not attendable or the
         prompt follows cached slots (else causality within the prompt is the whole mask)."""
         ops, text = self.ops, self.text
         rows, size = input_ids.shape
@@ -160,7 +168,8 @@ class PrefillRunner(GraphRunner):
         tokens = rows * size
         rotary = ops.rotary(cos.view(tokens, 1, -1), sin.view(tokens, 1, -1))  # shared by all layers
         slots = start + torch.arange(size, device=input_ids.device)
-        cache_rows, cache_slots = torch.arange(rows, device=slots.device).repeat_interleave(size), slots.repeat(rows)
+        row_ids = first_row + torch.arange(rows, device=slots.device)
+        cache_rows, cache_slots = row_ids.repeat_interleave(size), slots.repeat(rows)
         if masked:
             # Stock's padding mask: causal over attendable slots; a query with no such slot sees itself instead.
             key_slots = torch.arange(kv_slots, device=slots.device)
@@ -173,7 +182,7 @@ class PrefillRunner(GraphRunner):
             q = ops.qk_norm_rope_write(ops.linear(x, layer.qkv), layer.heads, *layer.qk_norms, rotary, keys, values,
                                        cache_rows, cache_slots)
             q = q.view(rows, size, layer.heads, -1).transpose(1, 2)
-            k, v = keys[:rows, :, :kv_slots], values[:rows, :, :kv_slots]
+            k, v = (cache[:, :, :kv_slots].index_select(0, row_ids) for cache in (keys, values))
             if masked:  # K/V heads repeated for the query heads, as stock `repeat_kv` does (masked kernels lack GQA)
                 group = layer.heads // keys.shape[1]
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
