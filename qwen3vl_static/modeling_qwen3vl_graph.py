@@ -318,7 +318,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             deepstack = [torch.cat(layer) for layer in zip(*(layers for _, _, _, layers in media))]
         positions = prompt_positions(self, input_ids, model_kwargs, start)
         logits = self._engine.prefill.run(new, attention_mask, positions, modality, visual, deepstack, padded, start,
-                                          first_row)
+                                          first_row=first_row)
         return logits, positions
 
 

@@ -36,8 +36,13 @@ def image(width, height, color="red"):
 @pytest.fixture(scope="session")
 def tiny_pair():
     """(ours, stock): the tiny model in both classes with identical random weights, fp32, eval mode."""
+    return new_pair()
+
+
+def new_pair(**settings):
+    """A fresh `tiny_pair` (config `settings` on top of its own)."""
     torch.manual_seed(0)
-    ours = Qwen3VLGraphForConditionalGeneration(tiny_config(static_cache_len=160, max_batch_size=4)).eval()
+    ours = Qwen3VLGraphForConditionalGeneration(tiny_config(static_cache_len=160, max_batch_size=4, **settings)).eval()
     stock = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval()
     stock.load_state_dict(ours.state_dict())
     return ours, stock
@@ -45,11 +50,7 @@ def tiny_pair():
 
 def bucketed_pair(**settings):
     """(ours with prompts and images padded to buckets, as on CUDA but without graphs; stock), same weights, fp32."""
-    torch.manual_seed(0)
-    config = tiny_config(static_cache_len=160, max_batch_size=4, prefill_graph_tokens=512, **settings)
-    ours = Qwen3VLGraphForConditionalGeneration(config).eval()
-    stock = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval()
-    stock.load_state_dict(ours.state_dict())
+    ours, stock = new_pair(prefill_graph_tokens=512, **settings)
     ours._engine = GraphEngine(ours, bucketed=True)
     return ours, stock
 
