@@ -38,6 +38,25 @@ def main(argv=None) -> int:
     demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     demo.set_defaults(run=_demo)
 
+    runner = commands.add_parser(
+        "run",
+        help="answer a JSONL file of chat requests by continuous batching",
+        description="Answer every chat request of INPUT (one JSON object per line: id, messages with image paths, "
+        "URLs or base64, optional max_new_tokens / temperature / top_k / top_p / eos_token_id) by continuous batching "
+        "on the graph engine, appending each answer to OUTPUT as it finishes; a rerun skips ids OUTPUT holds.",
+    )
+    runner.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub repo id (stock or converted)")
+    runner.add_argument("--input", type=Path, required=True, help="requests, JSONL")
+    runner.add_argument("--output", type=Path, required=True, help="answers, JSONL (appended to)")
+    runner.add_argument("--max-new-tokens", type=int, help="per request, unless its line says (default: the "
+                        "checkpoint's generation config)")
+    runner.add_argument("--greedy", action="store_true", help="greedy decoding (default: the checkpoint's "
+                        "generation config, which samples for Qwen's checkpoints)")
+    runner.add_argument("--slots", type=int, help="requests decoded at once: the static cache's rows (max_batch_size)")
+    runner.add_argument("--cache-len", type=int, help="cache slots per request (static_cache_len)")
+    runner.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    runner.set_defaults(run=_run)
+
     bench = commands.add_parser(
         "bench",
         help="benchmark against stock transformers (CUDA)",
@@ -124,6 +143,24 @@ def _demo(args) -> int:
     same = torch.equal(ours, expected)
     print(f"same tokens as {reference}:", same)
     return 0 if same else 1
+
+
+def _run(args) -> int:
+    from .dataset_runner import load_processor, run_dataset
+    from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
+
+    device = torch.device(args.device)
+    overrides = {name: value for name, value in (("max_batch_size", args.slots), ("static_cache_len", args.cache_len))
+                 if value is not None}
+    model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
+        args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
+    if args.greedy:
+        model.generation_config.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    settings = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    counts = run_dataset(model, load_processor(args.model, model.config), args.input, args.output, **settings)
+    print(f"answered {counts['answered']}, failed {counts['failed']}, skipped {counts['skipped']} (already in "
+          f"{args.output}); {counts['generated_tokens']} tokens in {counts['seconds']:.1f} s")
+    return 0
 
 
 def _bench(args) -> int:
