@@ -157,7 +157,7 @@ def _run(args) -> int:
     if args.greedy:
         model.generation_config.update(do_sample=False, temperature=None, top_k=None, top_p=None)
     settings = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
-    counts = run_dataset(model, load_processor(args.model, model.config), args.input, args.output, **settings)
+    counts = run_dataset(model, load_processor(args.model), args.input, args.output, **settings)
     print(f"answered {counts['answered']}, failed {counts['failed']}, skipped {counts['skipped']} (already in "
           f"{args.output}); {counts['generated_tokens']} tokens in {counts['seconds']:.1f} s")
     return 0

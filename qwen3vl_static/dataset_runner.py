@@ -3,7 +3,8 @@ Not uploaded to the Hub.
 
 One chat request per input line, `{"id": ..., "messages": [...], "max_new_tokens": ..., ...}` (any of the
 continuous-batching request settings besides the messages): the messages take transformers' chat format, images as
-`{"type": "image", "image": <path | URL | base64 data>}` (a relative path is relative to the input file), rendered by
+`{"type": "image", "image" | "url" | "path": <path | URL | base64 data>}` (a relative path is relative to the
+input file), rendered by
 the model's processor. Requests run by continuous batching (`init_continuous_batching`) while later lines are read
 and rendered; each answer is written and flushed as soon as it finishes, `{"id", "answer", "generated_tokens",
 "error": null}`, so a killed run loses nothing written, and a rerun skips the ids the output already answers. A line
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import BatchFeature
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.image_utils import load_image
 from transformers.utils.logging import tqdm
@@ -24,20 +26,33 @@ from .batching_qwen3vl_graph import REQUEST_SETTINGS
 from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
 
 
+# The keys of an image part in transformers' chat format, each a path, URL or base64 data.
+IMAGE_KEYS = ("image", "url", "path", "base64")
+
+
 class ImageChatProcessor:
     """The Qwen3-VL processor's chat rendering for text and images, from the tokenizer and the image processor alone:
     where the full processor cannot load (its video processor needs torchvision)."""
 
-    def __init__(self, tokenizer, image_processor, config):
+    def __init__(self, tokenizer, image_processor):
         self.tokenizer, self.image_processor = tokenizer, image_processor
-        self.image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
-        self.image_token_id = config.image_token_id
+        self.image_token = "<|image_pad|>"  # Qwen's placeholder, one per merged patch
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+
+    @classmethod
+    def from_pretrained(cls, model_path, **kwargs):
+        from transformers import AutoTokenizer, Qwen2VLImageProcessor
+
+        # Qwen2VLImageProcessor falls back to PIL without torchvision.
+        return cls(AutoTokenizer.from_pretrained(model_path, **kwargs), Qwen2VLImageProcessor.from_pretrained(model_path))
 
     def apply_chat_template(self, messages, **_):
-        images = [load_image(part["image"]) for message in messages for part in _parts(message)
-                  if part.get("type") == "image"]
-        if any(part.get("type") == "video" for message in messages for part in _parts(message)):
+        """The processor's outputs for one chat (`tokenize=True, add_generation_prompt=True, return_dict=True`)."""
+        parts = [part for message in messages for part in _parts(message)]
+        if any(part.get("type") == "video" for part in parts):
             raise ValueError("videos need the model's full processor (its video processor needs torchvision)")
+        images = [load_image(next(part[key] for key in IMAGE_KEYS if key in part)) for part in parts
+                  if part.get("type") == "image"]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         inputs = {}
         if images:
@@ -47,24 +62,26 @@ class ImageChatProcessor:
             pieces = text.split(self.image_token)
             text = pieces[0] + "".join(self.image_token * next(counts) + piece for piece in pieces[1:])
         input_ids = torch.tensor([self.tokenizer(text, add_special_tokens=False)["input_ids"]])
-        inputs["input_ids"] = input_ids
+        inputs.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
         if TAKES_MM_TOKEN_TYPE_IDS:
             inputs["mm_token_type_ids"] = (input_ids == self.image_token_id).int()
-        return inputs
+        return BatchFeature(inputs)
 
     def decode(self, tokens, **kwargs):
         return self.tokenizer.decode(tokens, **kwargs)
 
+    def batch_decode(self, sequences, **kwargs):
+        return self.tokenizer.batch_decode(sequences, **kwargs)
 
-def load_processor(model_path, config):
+
+def load_processor(model_path):
     """The model's processor, or `ImageChatProcessor` where it cannot load (no torchvision)."""
-    from transformers import AutoProcessor, AutoTokenizer, Qwen2VLImageProcessor
+    from transformers import AutoProcessor
 
     try:
         return AutoProcessor.from_pretrained(model_path)
-    except ImportError:  # Qwen2VLImageProcessor falls back to PIL without torchvision
-        return ImageChatProcessor(AutoTokenizer.from_pretrained(model_path),
-                                  Qwen2VLImageProcessor.from_pretrained(model_path), config)
+    except ImportError:
+        return ImageChatProcessor.from_pretrained(model_path)
 
 
 def answered_ids(output_path: Path) -> set:
@@ -183,8 +200,9 @@ def _with_local_paths(message, base: Path) -> dict:
     """The message with each relative image path made relative to the input file's folder."""
     parts = []
     for part in _parts(message):
-        source = part.get("image") if isinstance(part, dict) else None
-        if isinstance(source, str) and not source.startswith(("http://", "https://", "data:")) and (base / source).is_file():
-            part = {**part, "image": str(base / source)}
+        for key in ("image", "path"):
+            source = part.get(key) if isinstance(part, dict) else None
+            if isinstance(source, str) and not source.startswith(("http://", "https://", "data:")) and (base / source).is_file():
+                part = {**part, key: str(base / source)}
         parts.append(part)
     return {**message, "content": parts} if parts else message

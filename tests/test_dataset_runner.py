@@ -38,7 +38,7 @@ def requests(workdir):
 
 def expected_answers(workdir, good):
     model = Qwen3VLGraphForConditionalGeneration.from_pretrained(workdir / "model", dtype=torch.float32).eval()
-    processor = load_processor(workdir / "model", model.config)
+    processor = load_processor(workdir / "model")
     answers = {}
     for request in good:
         messages = [{**message, "content": [{**part, "image": str(workdir / part["image"])} if "image" in part else part

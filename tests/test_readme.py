@@ -8,13 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from PIL import Image
-from transformers import AutoTokenizer, BatchFeature, Qwen2VLImageProcessor
 from transformers.utils import is_torchvision_available
 
 from conftest import image, save_stock_checkpoint
 from qwen3vl_static.convert import convert
-from qwen3vl_static.presets import tiny_inputs
+from qwen3vl_static.dataset_runner import ImageChatProcessor
 from test_convert import HIDE_PACKAGE, run_child
 
 README = Path(__file__).parents[1] / "README.md"
@@ -50,30 +48,9 @@ def usage(repo, tmp_path_factory):
     return code
 
 
-class ProcessorWithoutVideo:
-    """Stands in for `AutoProcessor` where torchvision is missing (Qwen3VLProcessor needs it for the video processor it
-    always builds): the processor's inputs for an image chat (`tiny_inputs`), from the repo's tokenizer and image
-    processor."""
-
-    def __init__(self, repo, **kwargs):
-        self.tokenizer = AutoTokenizer.from_pretrained(repo, **kwargs)
-        self.image_processor = Qwen2VLImageProcessor.from_pretrained(repo)
-
-    @classmethod
-    def from_pretrained(cls, repo, **kwargs):
-        return cls(repo, **kwargs)
-
-    def apply_chat_template(self, messages, **kwargs):
-        images = [Image.open(part["url"]) for message in messages for part in message["content"] if part["type"] == "image"]
-        return BatchFeature(tiny_inputs([messages], images, tokenizer=self.tokenizer, image_processor=self.image_processor))
-
-    def batch_decode(self, *args, **kwargs):
-        return self.tokenizer.batch_decode(*args, **kwargs)
-
-
 def test_usage_runs(usage, monkeypatch, capsys):
     if not is_torchvision_available():
-        monkeypatch.setattr(transformers, "AutoProcessor", ProcessorWithoutVideo)
+        monkeypatch.setattr(transformers, "AutoProcessor", ImageChatProcessor)  # the runner's, for the same reason
     namespace = {}
     exec(compile(usage, "README.md, Usage", "exec"), namespace)
     model, inputs, output = namespace["model"], namespace["inputs"], namespace["output"]
