@@ -85,6 +85,8 @@ class GraphBatchingManager:
         self._stopping = threading.Event()
         self._thread = None
         self.error = None  # what ended the batch itself, if anything did
+        # Per request id, `time.perf_counter()` when it was added, when its first token was drawn, when it finished.
+        self.timings = {}
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -114,6 +116,7 @@ class GraphBatchingManager:
         `image_grid_thw`, ... for this one prompt). Returns its request id."""
         if request_id is None:
             request_id = f"req_{next(self._request_ids)}"
+        self.timings[request_id] = {"added": time.perf_counter()}
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         settings = {key: kwargs.pop(key) for key in REQUEST_SETTINGS if key in kwargs}
         if max_new_tokens is not None:
@@ -260,7 +263,9 @@ class GraphBatchingManager:
             self.output_queue.put(request.output)
             return None
         request.eos_ids, request.max_new_tokens, request.length = set(admission.plan["eos_ids"]), new_tokens, prompt
-        if self._append(request, int(admission.token)):
+        token = int(admission.token)  # waits for the prefill
+        self.timings[request.output.request_id]["first_token"] = time.perf_counter()
+        if self._append(request, token):
             return None
         plan = admission.plan
         engine.decode.admit(row, admission.token, admission.positions, prompt, plan["temperature"], plan["top_k"],
@@ -273,6 +278,7 @@ class GraphBatchingManager:
         output.generated_tokens.append(token)
         if token in request.eos_ids or len(output.generated_tokens) >= request.max_new_tokens:
             output.status = RequestStatus.FINISHED
+            self.timings[output.request_id]["finished"] = time.perf_counter()
             self.output_queue.put(output)
             return True
         return False

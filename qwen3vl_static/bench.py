@@ -2,7 +2,8 @@
 
 Random bf16 weights with the exact shapes of a preset (`--model`: Qwen3-VL-2B, 4B or 8B; speed does not depend on
 weight values); with `--fp8` also ours with the same weights in Qwen's FP8 format; with `--serving` also the shapes
-users run (`serving`: sampled decoding, a batch of image prompts, long contexts, batch 64). Every number comes from tokens
+users run (`serving`: sampled decoding, a batch of image prompts, long contexts, batch 64); with `--batching` many
+requests by continuous batching against static batches (`batching`, bench_batching.py). Every number comes from tokens
 really generated: decode ms/step is the slope between two generation lengths (prefill cancels out), and every run's
 token count is checked. EOS is disabled so all systems generate the same number of tokens.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from .bench_batching import batching
 from .compat_qwen3vl_graph import CACHE_KWARG, returned_cache
 from .presets import real_generation_config
 from .workloads import (
@@ -337,6 +339,8 @@ def run(args) -> dict:
             (row["tokens"] != ref).any(0).nonzero()[0])
     graph_equals_eager = graph_equals_eager_static_path(ours, [r for r in results if r["system"] == "ours"], prompts, image)
     serving_rows = {"serving": serving(args, ours, stock, ttft[0], settings, generator)} if args.serving else {}
+    if args.batching:
+        serving_rows["batching"] = batching(args, stock, settings, generator)
 
     fp8 = {}
     if args.fp8:
@@ -408,6 +412,11 @@ def report(summary, out_dir: Path) -> Path:
         print("serving, decode ms/step at scale:")
         print_table(serving["decode"], ["batch_size", "context_tokens", "ours_decode_ms_per_step",
                                         "hf_eager_decode_ms_per_step", "ours_warmup_s", "tokens_equal_eager_static_path"])
+    if "batching" in summary:
+        print("batching, useful tokens/s of many requests (answers of uneven lengths):")
+        print_table(summary["batching"], ["workload", "system", "requests", "useful_tokens_per_s", "requests_per_s",
+                                          "ttft_ms_p50", "ttft_ms_p99", "peak_mem_gb", "seconds",
+                                          "tokens_equal_eager_static_path", "error"])
     out_dir.mkdir(parents=True, exist_ok=True)
     name = summary["device"].replace(" ", "-").lower() + ("" if summary["model"] == "2b" else f"-{summary['model']}")
     path = out_dir / f"{name}-{summary['date'].replace('-', '')}.json"

@@ -77,6 +77,9 @@ def main(argv=None) -> int:
                        help="also measure where users run it: sampling at Qwen's defaults and top-p alone against "
                        "greedy, TTFT of 8 image prompts in one batch, decode at 7800 / 4000 tokens of context and at "
                        "batch 64 (JSON key serving; a few minutes more)")
+    bench.add_argument("--batching", action="store_true",
+                       help="also measure many requests of uneven answer lengths: continuous batching against static "
+                       "batches of 64 and transformers' own continuous batching (JSON key batching; a few minutes more)")
     bench.add_argument("--out", type=Path, default=Path("bench/results"))
     bench.set_defaults(run=_bench)
 

@@ -75,6 +75,8 @@ def test_manager_streams_results_as_requests_arrive():
         ids = [manager.add_request(**request) for request in requests[1:]]
         results = {manager.get_result(timeout=60).request_id for _ in ids}
         assert results == set(ids)
+        times = [manager.timings[request_id] for request_id in (first, *ids)]
+        assert all(time["added"] <= time["first_token"] <= time["finished"] for time in times)
     finally:
         manager.stop()
     assert not manager.is_running()

@@ -1,4 +1,5 @@
-"""The --serving benchmark's workloads on the CPU: its batched image prompt and its decoding modes (tiny models)."""
+"""The --serving and --batching benchmarks' workloads on the CPU: the batched image prompt, the decoding modes (tiny
+models), the answer lengths."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import qwen3vl_static.modeling_qwen3vl_graph as modeling
 from conftest import build, chat
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.bench import sampling_modes
+from qwen3vl_static.bench_batching import answer_lengths
 from qwen3vl_static.presets import real_config_dict, tiny_config, tiny_config_dict
 from qwen3vl_static.workloads import image_prompt
 
@@ -71,3 +73,12 @@ def test_serving_decoding_modes_run_on_the_device_loop(tiny_pair, monkeypatch, m
             "sample", kwargs["temperature"], top_k, kwargs["top_p"])
     else:
         assert plan["mode"] == "greedy"
+
+
+def test_answer_lengths_are_seeded_geometric_and_clipped():
+    lengths = answer_lengths(20000, torch.Generator().manual_seed(0))
+    assert lengths == answer_lengths(20000, torch.Generator().manual_seed(0))
+    assert min(lengths) == 1 and max(lengths) == 512
+    # Geometric of mean 128, clipped at 512: the clipped mean is 128 * (1 - (1 - 1/128) ** 512) = 125.7.
+    assert 123 < sum(lengths) / len(lengths) < 128.5
+    assert abs(sum(length == 1 for length in lengths) / len(lengths) - 1 / 128) < 0.003
