@@ -149,20 +149,48 @@ def _demo(args) -> int:
 
 
 def _run(args) -> int:
-    from .dataset_runner import load_processor, run_dataset
+    import os
+
+    from .dataset_runner import load_processor, merge_in_input_order, run_dataset
     from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
 
+    # Under torchrun: one process (and model) per GPU, requests shared out by cost, the answers merged by rank 0.
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(args.device)
+    if world > 1:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     overrides = {name: value for name, value in (("max_batch_size", args.slots), ("static_cache_len", args.cache_len))
                  if value is not None}
-    model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
-        args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
-    if args.greedy:
-        model.generation_config.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    settings = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
-    counts = run_dataset(model, load_processor(args.model), args.input, args.output, **settings)
-    print(f"answered {counts['answered']}, failed {counts['failed']}, skipped {counts['skipped']} (already in "
-          f"{args.output}); {counts['generated_tokens']} tokens in {counts['seconds']:.1f} s")
+    failure = None
+    try:
+        model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
+            args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
+        if args.greedy:
+            model.generation_config.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        settings = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+        counts = run_dataset(model, load_processor(args.model), args.input, args.output, rank=rank, world=world,
+                             **settings)
+    except Exception as error:  # noqa: BLE001 - every rank learns which failed; what they wrote stays
+        failure = f"rank {rank} of {world}: {type(error).__name__}: {error}"
+    failures = [failure]
+    if world > 1:
+        failures = [None] * world
+        dist.all_gather_object(failures, failure)
+        dist.destroy_process_group()
+    failures = [each for each in failures if each is not None]
+    if rank == 0 and not failures:
+        merge_in_input_order(args.input, args.output)
+    if failures:
+        raise RuntimeError("; ".join(failures) + (f" (what was answered stays in {args.output} and its part files: "
+                                                  "run again to finish)"))
+    where = f"rank {rank} of {world}: " if world > 1 else ""
+    print(f"{where}answered {counts['answered']}, failed {counts['failed']}, skipped {counts['skipped']} (already "
+          f"answered); {counts['generated_tokens']} tokens in {counts['seconds']:.1f} s")
     return 0
 
 

@@ -9,7 +9,11 @@ the model's processor. Requests run by continuous batching (`init_continuous_bat
 and rendered; each answer is written and flushed as soon as it finishes, `{"id", "answer", "generated_tokens",
 "error": null}`, so a killed run loses nothing written, and a rerun skips the ids the output already answers. A line
 that cannot run (bad JSON, no id or messages, an image that does not load, a request the model refuses) becomes an
-`{"id", "error"}` record; the others go on.
+`{"id", "error"}` record; the others go on. When the run ends the output is rewritten in input order.
+
+Under `torchrun --nproc-per-node N` (one model per GPU) each rank takes a share of the requests by estimated cost
+(`share_out`), writes its answers as they finish to a part file of its own (`part_path`), and rank 0 merges the parts
+into the output in input order once every rank is done; a rerun skips what the output and any part file answer.
 """
 
 import json
@@ -133,16 +137,55 @@ class _Failed(ValueError):
         self.request_id = request_id
 
 
-def run_dataset(model, processor, input_path, output_path, progress: bool = True, **settings) -> dict:
-    """Answer every request of `input_path` not yet in `output_path` (see the module docstring); `settings` apply to
-    every request (a line's own win). Returns counts: answered, failed, skipped, generated tokens, seconds."""
+def request_cost(line: str, default_new_tokens: int) -> int:
+    """A request line's estimated cost, to share requests out across ranks: its text (about 4 characters a token),
+    256 tokens an image, and its answer tokens."""
+    try:
+        record = json.loads(line)
+        images = sum(part.get("type") == "image" for message in record["messages"] for part in _parts(message))
+        return len(json.dumps(record["messages"])) // 4 + 256 * images + int(record.get("max_new_tokens") or
+                                                                              default_new_tokens)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 1  # it becomes an error record
+
+
+def share_out(costs, world: int) -> list:
+    """The rank of each request: the costliest first, each to the least loaded rank so far (ties: input order, the
+    lowest rank). Every rank computes the same answer from the same input."""
+    loads, ranks = [0] * world, [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda index: -costs[index]):
+        rank = min(range(world), key=lambda rank: loads[rank])
+        ranks[index], loads[rank] = rank, loads[rank] + costs[index]
+    return ranks
+
+
+def part_path(output_path: Path, rank: int) -> Path:
+    """Where rank `rank` of a data-parallel run writes its answers as they finish (merged into the output at the end)."""
+    return output_path.with_name(f"{output_path.name}.rank{rank}")
+
+
+def parts_of(output_path: Path) -> list:
+    return sorted(output_path.parent.glob(f"{output_path.name}.rank*"))
+
+
+def run_dataset(model, processor, input_path, output_path, progress: bool = True, rank: int = 0, world: int = 1,
+                **settings) -> dict:
+    """Answer every request of `input_path` not yet answered in `output_path` (or the part files of an earlier
+    data-parallel run; see the module docstring); `settings` apply to every request (a line's own win). With `world`
+    ranks, this rank answers its share (`share_out`) into its part file. Returns counts: answered, failed, skipped,
+    generated tokens, seconds."""
     input_path, output_path = Path(input_path), Path(output_path)
-    done = answered_ids(output_path)
+    done = set().union(answered_ids(output_path), *(answered_ids(part) for part in parts_of(output_path)))
+    lines = input_path.read_text().splitlines()
+    default_new_tokens = settings.get("max_new_tokens") or model.generation_config.max_new_tokens or 128
+    ranks = share_out([request_cost(line, default_new_tokens) for line in lines], world)
     counts = {"answered": 0, "failed": 0, "skipped": 0, "generated_tokens": 0}
     manager = model.init_continuous_batching(max_queue_size=2 * model.config.max_batch_size)
     began = time.perf_counter()
     seen = set()
-    with output_path.open("a") as out, tqdm(desc="Answering", unit="request", disable=not progress) as bar:
+    target = output_path if world == 1 else part_path(output_path, rank)
+    with target.open("a") as out, tqdm(desc=f"Answering (rank {rank})" if world > 1 else "Answering", unit="request",
+                                       disable=not progress) as bar:
         def write(record):
             out.write(json.dumps(record) + "\n")
             out.flush()
@@ -161,25 +204,24 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
 
         manager.start()
         try:
-            with input_path.open() as lines:
-                for number, line in enumerate(lines, 1):
-                    if not line.strip():
+            for number, line in enumerate(lines, 1):
+                if not line.strip() or ranks[number - 1] != rank:
+                    continue
+                try:
+                    request_id, own, inputs = render(processor, line, input_path.parent)
+                    if request_id in done:
+                        counts["skipped"] += 1
                         continue
-                    try:
-                        request_id, own, inputs = render(processor, line, input_path.parent)
-                        if request_id in done:
-                            counts["skipped"] += 1
-                            continue
-                        if request_id in seen:
-                            raise _Failed(request_id, "another line of the input has this id")
-                        seen.add(request_id)
-                        manager.add_request(**inputs, request_id=request_id, **{**settings, **own})
-                    except _Failed as error:
-                        write({"id": error.request_id, "error": str(error)})
-                    except ValueError as error:
-                        write({"id": f"line {number}", "error": str(error)})
-                    while (result := manager.get_result(timeout=0)) is not None:
-                        take(result)
+                    if request_id in seen:
+                        raise ValueError(f"another line of the input has the id {request_id!r}")
+                    seen.add(request_id)
+                    manager.add_request(**inputs, request_id=request_id, **{**settings, **own})
+                except _Failed as error:
+                    write({"id": error.request_id, "error": str(error)})
+                except ValueError as error:
+                    write({"id": f"line {number}", "error": str(error)})
+                while (result := manager.get_result(timeout=0)) is not None:
+                    take(result)
         finally:
             manager.stop(block=False)
         for result in manager:
@@ -189,6 +231,39 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
         raise RuntimeError("the continuous batch stopped on an error") from manager.error
     counts["seconds"] = time.perf_counter() - began
     return counts
+
+
+def merge_in_input_order(input_path, output_path) -> None:
+    """Rewrite the output with its records and the part files' in input order (an id's answer over its errors; a
+    bad line's error record, named by its line, at that line), then remove the part files. Written beside and
+    renamed into place: the output is never left half written."""
+    input_path, output_path = Path(input_path), Path(output_path)
+    parts = parts_of(output_path)
+    records = {}
+    for path in [output_path, *parts]:
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+                if record["error"] is None or records.get(record["id"], {}).get("error") is not None or \
+                        record["id"] not in records:
+                    records[record["id"]] = record
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a killed run
+    order = {}
+    for number, line in enumerate(input_path.read_text().splitlines(), 1):
+        try:
+            order.setdefault(str(json.loads(line)["id"]), number)
+        except (ValueError, KeyError, TypeError):
+            pass
+        order.setdefault(f"line {number}", number)
+    ranked = sorted(records.values(), key=lambda record: order.get(record["id"], len(order) + 1))
+    staging = output_path.with_name(f"{output_path.name}.merging")
+    staging.write_text("".join(json.dumps(record) + "\n" for record in ranked))
+    staging.replace(output_path)
+    for part in parts:
+        part.unlink()
 
 
 def _parts(message) -> list:

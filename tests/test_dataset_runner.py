@@ -70,9 +70,12 @@ def test_answers_equal_generate_and_bad_lines_become_errors(workdir, tmp_path):
         expected_answers(workdir, good)
     assert all(got[request["id"]]["generated_tokens"] == request["max_new_tokens"] for request in good)
     errors = {record["id"]: record["error"] for record in records(output) if record["error"]}
-    assert set(errors) == {"line 4", "noimage", "typo", "q0"}
+    assert set(errors) == {"line 4", "noimage", "typo", "line 7"}
     assert "JSON" in errors["line 4"] and "gone.png" in errors["noimage"] and "max_tokens" in errors["typo"]
-    assert "same id" in errors["q0"] or "this id" in errors["q0"]
+    assert "the id 'q0'" in errors["line 7"]
+    # The output ends in input order (answers were appended as they finished).
+    assert [record["id"] for record in records(output)] == ["q0", "q1", "q2", "line 4", "noimage", "typo", "line 7",
+                                                             "q3", "q4", "q5"]
 
 
 def test_a_rerun_answers_only_what_is_missing(workdir, tmp_path):
