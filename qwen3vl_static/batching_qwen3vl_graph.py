@@ -252,10 +252,15 @@ class GraphBatchingManager:
                                  f"between chunks of steps_per_sync steps) but static_cache_len is {capacity}.")
             config = copy.deepcopy(config)
             config.update(max_new_tokens=new_tokens, **settings)
+            # Moved here, in the batch's thread: another thread's CUDA work could break a graph capture under way.
+            device = engine.device
+            inputs = {key: value.to(device) if isinstance(value, torch.Tensor) else value
+                      for key, value in request.inputs.items()}
+            input_ids = request.input_ids.to(device)
             admission = model._admission = Admission(row)
             try:
-                model.generate(input_ids=request.input_ids, attention_mask=torch.ones_like(request.input_ids),
-                               **request.inputs, generation_config=config)
+                model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **inputs,
+                               generation_config=config)
             finally:
                 model._admission = None
         except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
