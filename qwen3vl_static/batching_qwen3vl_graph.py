@@ -239,7 +239,7 @@ class GraphBatchingManager:
         try:
             config = self.generation_config
             settings = dict(request.settings)
-            if settings.get("do_sample", config.do_sample) != config.do_sample:
+            if bool(settings.get("do_sample", config.do_sample)) != bool(config.do_sample):
                 raise ValueError(f"This batch {'samples' if config.do_sample else 'decodes greedily'} (its generation "
                                  "config's do_sample): a request cannot change that.")
             prompt = request.input_ids.shape[1]

@@ -183,7 +183,7 @@ def _run(args) -> int:
         dist.all_gather_object(failures, failure)
         dist.destroy_process_group()
     failures = [each for each in failures if each is not None]
-    if rank == 0 and not failures:
+    if world > 1 and rank == 0 and not failures:
         merge_in_input_order(args.input, args.output)
     if failures:
         raise RuntimeError("; ".join(failures) + (f" (what was answered stays in {args.output} and its part files: "

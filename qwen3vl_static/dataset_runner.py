@@ -172,7 +172,8 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
                 **settings) -> dict:
     """Answer every request of `input_path` not yet answered in `output_path` (or the part files of an earlier
     data-parallel run; see the module docstring); `settings` apply to every request (a line's own win). With `world`
-    ranks, this rank answers its share (`share_out`) into its part file. Returns counts: answered, failed, skipped,
+    ranks, this rank answers its share (`share_out`) into its part file, for rank 0 to merge when all are done;
+    alone, it leaves the output in input order (`merge_in_input_order`). Returns counts: answered, failed, skipped,
     generated tokens, seconds."""
     input_path, output_path = Path(input_path), Path(output_path)
     done = set().union(answered_ids(output_path), *(answered_ids(part) for part in parts_of(output_path)))
@@ -229,6 +230,8 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
         manager.join()
     if manager.error is not None:
         raise RuntimeError("the continuous batch stopped on an error") from manager.error
+    if world == 1:  # else rank 0 merges once every rank is done
+        merge_in_input_order(input_path, output_path)
     counts["seconds"] = time.perf_counter() - began
     return counts
 
