@@ -25,7 +25,7 @@ from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
 from .compat_qwen3vl_graph import first_decode_positions
-from .loops_qwen3vl_graph import device_plan, sample_tokens
+from .loops_qwen3vl_graph import device_plan, first_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -48,15 +48,9 @@ class Admission:
                              "stopping at EOS ids and max_new_tokens; this request's settings need another processor "
                              "or criterion: run it with `generate`.")
         logits, positions = model._prefill_prompt(input_ids, model_kwargs, 0, first_row=self.row)
-        if plan["mode"] == "greedy":
-            token = logits.argmax(dim=-1)
-        else:
-            def one(value, dtype=torch.float32):
-                return torch.full((1,), value, dtype=dtype, device=logits.device)
-            top_k, top_p = plan["top_k"], plan["top_p"]
-            token = sample_tokens(logits, one(plan["temperature"]),
-                                  one(logits.shape[-1] if top_k is None else top_k, torch.long),
-                                  one(float("inf") if top_p is None else top_p))
+        runner = model._engine.decode
+        runner.set_row_sampling(self.row, plan["temperature"], plan["top_k"], plan["top_p"])
+        token = first_tokens(runner, logits, plan["mode"], slice(self.row, self.row + 1))
         self.token, self.plan = token, plan
         self.positions = first_decode_positions(model, model_kwargs, positions, input_ids.shape[1])[:, 0, 0]
         return torch.cat([input_ids, token[:, None].to(input_ids.device)], dim=1)
@@ -272,9 +266,7 @@ class GraphBatchingManager:
         self.timings[request.output.request_id]["first_token"] = time.perf_counter()
         if self._append(request, token):
             return None
-        plan = admission.plan
-        engine.decode.admit(row, admission.token, admission.positions, prompt, plan["temperature"], plan["top_k"],
-                            plan["top_p"])
+        engine.decode.admit(row, admission.token, admission.positions, prompt)
         return request
 
     def _append(self, request, token: int) -> bool:

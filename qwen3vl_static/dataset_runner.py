@@ -88,24 +88,30 @@ def load_processor(model_path):
         return ImageChatProcessor.from_pretrained(model_path)
 
 
+def read_records(path: Path) -> list:
+    """The whole records of an output or part file, `(line, record)`, in file order (a line cut short by a killed run
+    is not one)."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and {"id", "error"} <= record.keys():
+            records.append((line, record))
+    return records
+
+
 def answered_ids(output_path: Path) -> set:
     """Ids the output already answers (a rerun skips them). Error records are dropped from the file (their lines run
     again), and so is a last line cut short by a killed run, so the records appended next start on a line of their
     own."""
     if not output_path.exists():
         return set()
-    lines = [line for line in output_path.read_text().split("\n") if line]
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-            if record["error"] is None:
-                kept.append((record["id"], line))
-        except (ValueError, KeyError, TypeError):
-            continue
-    if len(kept) != len(lines):
-        output_path.write_text("".join(f"{line}\n" for _, line in kept))
-    return {request_id for request_id, _ in kept}
+    kept = [(line, record) for line, record in read_records(output_path) if record["error"] is None]
+    if len(kept) != len(output_path.read_text().splitlines()):
+        output_path.write_text("".join(f"{line}\n" for line, _ in kept))
+    return {record["id"] for _, record in kept}
 
 
 def render(processor, line: str, base: Path) -> tuple:
@@ -244,16 +250,10 @@ def merge_in_input_order(input_path, output_path) -> None:
     parts = parts_of(output_path)
     records = {}
     for path in [output_path, *parts]:
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-                if record["error"] is None or records.get(record["id"], {}).get("error") is not None or \
-                        record["id"] not in records:
-                    records[record["id"]] = record
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a killed run
+        for _, record in read_records(path):
+            held = records.get(record["id"])
+            if held is None or held["error"] is not None:  # an answer is never replaced by an error
+                records[record["id"]] = record
     order = {}
     for number, line in enumerate(input_path.read_text().splitlines(), 1):
         try:

@@ -77,41 +77,39 @@ class DecodeRunner(GraphRunner):
     def set_sampling(self, temperature: float, top_k: int | None, top_p: float | None, eos_ids, pad_id) -> None:
         """Sampling parameters and EOS ids of the request (None disables top-k / top-p). Every row starts
         finished; the caller marks the real rows unfinished after its first token."""
-        self.temperature.fill_(temperature)
-        self.top_k.fill_(self.logits.shape[1] if top_k is None else top_k)
-        self.top_p.fill_(float("inf") if top_p is None else top_p)
+        self.set_row_sampling(slice(None), temperature, top_k, top_p)
         self.eos_ids.fill_(-1)
         self.eos_ids[: len(eos_ids)] = torch.tensor(eos_ids, dtype=torch.long)
         self.pad_id.fill_(0 if pad_id is None else int(pad_id))
         self.unfinished.fill_(False)
 
+    def set_row_sampling(self, rows, temperature: float, top_k: int | None, top_p: float | None) -> None:
+        """Sampling parameters of `rows` (an index or a slice; None disables top-k / top-p)."""
+        self.temperature[rows] = temperature
+        self.top_k[rows] = self.logits.shape[1] if top_k is None else top_k
+        self.top_p[rows] = float("inf") if top_p is None else top_p
+
     # -- rows that start and stop on their own (continuous batching) ---------------------------------------
 
     def open_slots(self, pad_id) -> None:
-        """Every row free: no request, inert (pad token, nothing attended beyond slot 0, finished). The device sees no
-        EOS ids: the host finishes each row by its own request's rules."""
+        """Every row free: no request, inert (finished, so it emits `pad_id`; nothing attended beyond slot 0). The
+        device sees no EOS ids: the host finishes each row by its own request's rules."""
         self.idle()
-        self.input_ids.fill_(0 if pad_id is None else int(pad_id))
         self.eos_ids.fill_(-1)
         self.pad_id.fill_(0 if pad_id is None else int(pad_id))
 
-    def admit(self, row: int, token, positions, length: int, temperature: float, top_k: int | None,
-              top_p: float | None) -> None:
+    def admit(self, row: int, token, positions, length: int) -> None:
         """Row `row` continues a request whose prompt fills its first `length` cache slots: `token` is its next input,
-        at M-RoPE `positions` `(3,)`; its sampling parameters are its own."""
+        at M-RoPE `positions` `(3,)` (its sampling parameters: `set_row_sampling`)."""
         self.input_ids[row, 0] = token
         self.positions[:, row, 0] = positions
         self.cache_lens[row] = length
         self.attendable[row] = True
         self.unfinished[row] = True
-        self.temperature[row] = temperature
-        self.top_k[row] = self.logits.shape[1] if top_k is None else top_k
-        self.top_p[row] = float("inf") if top_p is None else top_p
 
     def release(self, row: int) -> None:
-        """Row `row` is free again (inert, as `open_slots` leaves it)."""
+        """Row `row` is free again (finished: inert, as `open_slots` leaves it)."""
         self.unfinished[row] = False
-        self.input_ids[row, 0] = self.pad_id
 
     def continue_rows(self, rows: int, length: int) -> None:
         """The next chunk steps the first `rows` rows, the longest of them holding `length` cache slots. Free rows go

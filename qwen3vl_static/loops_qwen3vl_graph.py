@@ -76,16 +76,21 @@ def device_plan(logits_processor, stopping_criteria, generation_config) -> dict 
     return plan
 
 
+def first_tokens(runner, logits, mode: str, rows: slice) -> torch.Tensor:
+    """The tokens after a prefill's `logits` for the runner's `rows`: the argmax, or drawn eagerly with the same
+    sampler and the rows' own parameters."""
+    if mode == "greedy":
+        return logits.argmax(dim=-1)
+    return sample_tokens(logits, runner.temperature[rows], runner.top_k[rows], runner.top_p[rows])
+
+
 def device_loop(runner, input_ids, logits, plan, generation_config, streamer) -> torch.Tensor:
     """Sampling and EOS checks on the device, `steps_per_sync` steps per host read, one chunk queued ahead, from the
     prefill's `logits`; returns the sequences (prompt and new tokens) on the host."""
     pad_id = generation_config._pad_token_tensor
     runner.set_sampling(plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"], pad_id)
     batch = input_ids.shape[0]
-    if plan["mode"] == "greedy":
-        tokens = logits.argmax(dim=-1)
-    else:  # the first token comes from the prefill logits, drawn with the same sampler eagerly
-        tokens = sample_tokens(logits, runner.temperature[:batch], runner.top_k[:batch], runner.top_p[:batch])
+    tokens = first_tokens(runner, logits, plan["mode"], slice(0, batch))
     unfinished = ~(tokens[:, None] == runner.eos_ids).any(dim=-1)  # the in-graph rule, on the first token
     runner.unfinished[:batch] = unfinished
     sequences = [input_ids.cpu(), tokens[:, None].cpu()]

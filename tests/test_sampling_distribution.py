@@ -8,7 +8,6 @@ order) and a softmax.
 
 from itertools import combinations
 from statistics import NormalDist
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,12 +45,13 @@ def draw(processors, seed=0):
     config = GenerationConfig(do_sample=True)
     plan = device_plan(processors, StoppingCriteriaList([MaxLengthCriteria(max_length=2)]), config)
     assert plan is not None, "the device loop does not take these warpers"
-    runner = SimpleNamespace(
+    runner = DecodeRunner.__new__(DecodeRunner)
+    vars(runner).update(
         temperature=torch.empty(DRAWS), top_k=torch.empty(DRAWS, dtype=torch.long), top_p=torch.empty(DRAWS),
         logits=torch.empty(0, VOCAB), eos_ids=torch.empty(MAX_EOS_IDS, dtype=torch.long),
         pad_id=torch.empty((), dtype=torch.long), unfinished=torch.empty(DRAWS, dtype=torch.bool),
     )
-    DecodeRunner.set_sampling(runner, plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"], None)
+    runner.set_sampling(plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"], None)
     torch.manual_seed(seed)
     return sample_tokens(logits().expand(DRAWS, -1), runner.temperature, runner.top_k, runner.top_p)
 
