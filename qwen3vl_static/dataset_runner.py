@@ -182,7 +182,10 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
     alone, it leaves the output in input order (`merge_in_input_order`). Returns counts: answered, failed, skipped,
     generated tokens, seconds."""
     input_path, output_path = Path(input_path), Path(output_path)
-    done = set().union(answered_ids(output_path), *(answered_ids(part) for part in parts_of(output_path)))
+    target = output_path if world == 1 else part_path(output_path, rank)
+    # Only the file this rank appends to is cleaned; the others (other ranks' parts, the output) are only read.
+    done = answered_ids(target) | {record["id"] for path in {output_path, *parts_of(output_path)} - {target}
+                                   for _, record in read_records(path) if record["error"] is None}
     lines = input_path.read_text().splitlines()
     default_new_tokens = settings.get("max_new_tokens") or model.generation_config.max_new_tokens or 128
     ranks = share_out([request_cost(line, default_new_tokens) for line in lines], world)
@@ -190,7 +193,6 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
     manager = model.init_continuous_batching(max_queue_size=2 * model.config.max_batch_size)
     began = time.perf_counter()
     seen = set()
-    target = output_path if world == 1 else part_path(output_path, rank)
     with target.open("a") as out, tqdm(desc=f"Answering (rank {rank})" if world > 1 else "Answering", unit="request",
                                        disable=not progress) as bar:
         def write(record):
