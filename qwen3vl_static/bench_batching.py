@@ -11,6 +11,7 @@ static path: the same schedule, so the same shapes).
 """
 
 import gc
+import json
 import statistics
 import time
 
@@ -55,8 +56,9 @@ def continuous(model, prompts, lengths) -> tuple:
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.synchronize()
     began = time.perf_counter()
-    manager.start()
+    # All queued before the batch starts: the schedule, and so the shapes, are the same in every run.
     ids = [manager.add_request(**prompt, max_new_tokens=length) for prompt, length in zip(prompts, lengths)]
+    manager.start()
     manager.stop(block=False)
     results = {result.request_id: result for result in manager}
     manager.join()
@@ -99,6 +101,12 @@ def batching(args, stock, settings, generator) -> list:
     model = build_ours(device, dtype, args.model, max_batch_size=BATCHING_SLOTS, static_cache_len=cache_len,
                        **settings)
     generate_exactly_as_asked(model)
+    # The graphs the runs meet, captured ahead: decode steps of any number of rows at every KV length, prefills of the
+    # groups that enter together (batch buckets up to 8 rows fit the prefill graph budget), the vision tower of the
+    # groups' images (8 exceed `vision_graph_patches`: they run eagerly).
+    patches = (448 // model.config.vision_config.patch_size) ** 2  # image_prompt's 448x448 image
+    model.warmup(batch_sizes=list(range(1, BATCHING_SLOTS + 1)), modes=("greedy",), prompt_lengths=[PROMPT_TOKENS],
+                 image_patches=[patches * images for images in (1, 2, 4)])
     rows = []
     workloads = {"text": [text_prompt(model.config, 1, PROMPT_TOKENS, device, generator)
                           for _ in range(BATCHING_REQUESTS)],
@@ -114,8 +122,10 @@ def batching(args, stock, settings, generator) -> list:
             model.set_cuda_graphs(True)
         row["tokens_equal_eager_static_path"] = tokens == eager
         rows.append({"workload": workload, "system": "ours_continuous", "requests": BATCHING_REQUESTS, **row})
+        print(json.dumps(rows[-1]))  # as measured: the table comes at the end of the whole bench
         rows.append({"workload": workload, "system": "ours_static_batches", "requests": BATCHING_REQUESTS,
                      **static_batches(model, prompts, lengths)})
+        print(json.dumps(rows[-1]))
         if workload == "text":
             try:
                 stock_row = stock_continuous(stock, prompts[:STOCK_REQUESTS], lengths[:STOCK_REQUESTS])
@@ -123,6 +133,7 @@ def batching(args, stock, settings, generator) -> list:
                 stock_row = {"error": f"{type(error).__name__}: {error}"}
             rows.append({"workload": workload, "system": "hf_continuous_batching", "requests": STOCK_REQUESTS,
                          **stock_row})
+            print(json.dumps(rows[-1]))
     del model
     gc.collect()
     torch.cuda.empty_cache()

@@ -37,7 +37,9 @@ class GraphCapturer:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):  # records the step; runs nothing
+            # Thread-local: CUDA work of the process's other threads (a caller preparing its next request while
+            # continuous batching captures) neither breaks the capture nor lands in the graph.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # records; runs nothing
                 step()
         seconds = time.perf_counter() - began
         message = f"Captured the {name} graph in {seconds:.2f} s"

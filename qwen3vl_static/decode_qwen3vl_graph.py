@@ -42,7 +42,11 @@ class DecodeRunner(GraphRunner):
         self.input_ids = zeros(rows, 1)
         self.positions = zeros(3, rows, 1)
         self.cache_lens = zeros(rows)
-        self.row_ids = torch.arange(rows, device=device)  # each row writes its own cache row
+        # The cache row of each row: its own (`start`), or under continuous batching wherever its request's prompt
+        # is, so that the rows in use are always the first ones (`reorder`). Always a permutation: a free row's inert
+        # steps write into a free cache row.
+        self.cache_rows = torch.arange(rows, device=device)
+        self.cache_row_of = list(range(rows))  # the same, on the host
         self.attendable = torch.ones(rows, slots, dtype=torch.bool, device=device)
         self.logits = zeros(rows, vocab, dtype=torch.float32)
         self.temperature = torch.ones(rows, device=device)
@@ -66,6 +70,7 @@ class DecodeRunner(GraphRunner):
         batch = positions.shape[1]
         self.batch_size, self.length = batch, prompt_len
         self.input_ids.zero_()
+        self._own_cache_rows()
         self.positions.zero_()
         self.positions[:, :batch] = positions
         self.cache_lens.zero_()
@@ -98,18 +103,30 @@ class DecodeRunner(GraphRunner):
         self.eos_ids.fill_(-1)
         self.pad_id.fill_(0 if pad_id is None else int(pad_id))
 
-    def admit(self, row: int, token, positions, length: int) -> None:
-        """Row `row` continues a request whose prompt fills its first `length` cache slots: `token` is its next input,
-        at M-RoPE `positions` `(3,)` (its sampling parameters: `set_row_sampling`)."""
-        self.input_ids[row, 0] = token
-        self.positions[:, row, 0] = positions
-        self.cache_lens[row] = length
-        self.attendable[row] = True
-        self.unfinished[row] = True
+    def admit(self, rows, tokens, positions, attention_mask) -> None:
+        """Rows `rows` (a `(b,)` tensor) continue requests whose prompts fill their first cache slots as
+        `attention_mask` `(b, prompt)` says (zeros: left padding, never attended): `tokens` `(b,)` are their next
+        inputs, at M-RoPE `positions` `(3, b)` (their sampling parameters: `set_row_sampling`)."""
+        self.input_ids[rows, 0] = tokens
+        self.positions[:, rows, 0] = positions
+        self.cache_lens[rows] = attention_mask.shape[1]
+        self.attendable[rows] = True
+        self.attendable[rows, : attention_mask.shape[1]] = attention_mask.bool()
+        self.unfinished[rows] = True
 
     def release(self, row: int) -> None:
         """Row `row` is free again (finished: inert, as `open_slots` leaves it)."""
         self.unfinished[row] = False
+
+    def reorder(self, order: list) -> None:
+        """Row i takes over everything row `order[i]` held (its request's state and its cache row): continuous
+        batching moves the rows in use to the front, so that a step covers them and few others."""
+        index = torch.tensor(order, device=self.cache_rows.device)
+        for buffer in (self.input_ids, self.cache_lens, self.cache_rows, self.attendable, self.unfinished,
+                       self.temperature, self.top_k, self.top_p):
+            buffer.copy_(buffer.index_select(0, index))
+        self.positions.copy_(self.positions.index_select(1, index))
+        self.cache_row_of = [self.cache_row_of[row] for row in order]
 
     def continue_rows(self, rows: int, length: int) -> None:
         """The next chunk steps the first `rows` rows, the longest of them holding `length` cache slots. Free rows go
@@ -179,7 +196,7 @@ class DecodeRunner(GraphRunner):
         positions, cache_lens = self.positions[:, :rows], self.cache_lens[:rows]
         hidden, x = ops.embed_rms_norm(self.input_ids[:rows, 0], text.embed, *text.first_norm)
         rotary = ops.decode_rotary(text.rotary_emb, hidden, positions, self.rotary_components)  # shared by all layers
-        context = ops.attention_context(self.attendable[:rows], self.row_ids[:rows], cache_lens, kv_len, hidden.dtype)
+        context = ops.attention_context(self.attendable[:rows], self.cache_rows[:rows], cache_lens, kv_len, hidden.dtype)
 
         def attend(layer, keys, values, x):
             return ops.decode_attention(x, layer.qkv, layer.heads, layer.qk_norms, rotary, keys, values, cache_lens,
@@ -249,7 +266,15 @@ class DecodeRunner(GraphRunner):
     def idle(self) -> None:
         """A dummy request for warm-up steps: every row finished, one slot, nothing read beyond it."""
         self.batch_size, self.length = 0, 0
+        self._own_cache_rows()
         self.cache_lens.zero_()
         self.positions.zero_()
         self.attendable.fill_(True)
         self.unfinished.fill_(False)
+
+    def _own_cache_rows(self) -> None:
+        """Each row on its own cache row again (after continuous batching)."""
+        rows = list(range(len(self.cache_row_of)))
+        if self.cache_row_of != rows:
+            self.cache_rows.copy_(torch.arange(len(rows), device=self.cache_rows.device))
+            self.cache_row_of = rows

@@ -299,10 +299,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                                    tuple(raw_logits) if raw_logits else None, cache)
         return sequences
 
-    def _prefill_prompt(self, input_ids, model_kwargs, start: int, first_row: int = 0):
+    def _prefill_prompt(self, input_ids, model_kwargs, start: int, rows=None):
         """Vision tower and prefill of the prompt's tokens from slot `start` on (the cache holds the ones before) into
-        the static cache's rows from `first_row` on; returns the float32 logits of the last position and the new
-        tokens' M-RoPE positions."""
+        the static cache's rows `rows` (a tensor; None: the first rows); returns the float32 logits of the last
+        position and the new tokens' M-RoPE positions."""
         new = input_ids[:, start:]
         # Whether the prompt has padding: a host read before the tower is queued (a read after it would wait for it).
         attention_mask = model_kwargs.get("attention_mask")
@@ -318,7 +318,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             deepstack = [torch.cat(layer) for layer in zip(*(layers for _, _, _, layers in media))]
         positions = prompt_positions(self, input_ids, model_kwargs, start)
         logits = self._engine.prefill.run(new, attention_mask, positions, modality, visual, deepstack, padded, start,
-                                          first_row=first_row)
+                                          rows=rows)
         return logits, positions
 
 

@@ -22,7 +22,7 @@ MERGE_BLOCK = 32  # chunks merged per step of flash-decoding's merge
 
 def attention_context_reference(attendable, cache_rows, cache_lens, kv_len, dtype):
     """What decode attention needs besides the cache, built once per step: here an additive mask `(rows, 1, 1,
-    kv_len)`, and each row's cache row `cache_rows` (the runner's static `arange`) for the KV write.
+    kv_len)`, and each row's cache row `cache_rows` (the runner's), where its K/V are written and read.
 
     A slot is read only if it is written (slot <= the row's length, the current token included) and is not
     left padding: never an unwritten or stale slot.
@@ -33,14 +33,15 @@ def attention_context_reference(attendable, cache_rows, cache_lens, kv_len, dtyp
     return mask.masked_fill(~readable, float("-inf"))[:, None, None, :], cache_rows
 
 
-def decode_attention_reference(q, keys, values, mask, kv_len, scale):
-    """Attention of the new queries `q` `(rows, Hq, D)` (row r's cache row is r, the new token's K/V already in it)
-    over the first `kv_len` slots, `mask` from `attention_context_reference`; returns `(rows, Hq * D)`."""
+def decode_attention_reference(q, keys, values, mask, cache_rows, kv_len, scale):
+    """Attention of the new queries `q` `(rows, Hq, D)` over the first `kv_len` slots of their cache rows
+    `cache_rows` `(rows,)` (the new token's K/V already in them), `mask` from `attention_context_reference`; returns
+    `(rows, Hq * D)`."""
     rows, kv_heads, head_dim = q.shape[0], keys.shape[1], keys.shape[-1]
     out = F.scaled_dot_product_attention(
         q.reshape(rows, kv_heads, -1, head_dim),
-        keys[:rows, :, :kv_len],
-        values[:rows, :, :kv_len],
+        keys[:, :, :kv_len].index_select(0, cache_rows),
+        values[:, :, :kv_len].index_select(0, cache_rows),
         attn_mask=mask,
         scale=scale,
     )
@@ -51,14 +52,14 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+        q, keys, values, cache_lens, attendable, cache_rows, part_out, part_max, part_sum, scale,
         stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
         SPLITS, CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
         """Decode attention of one new token per row, flash-decoding's first pass: a program per (row, KV head, chunk
         of CHUNK slots) takes the softmax of the KV head's query group over its chunk, one tile (row r's cache is
-        cache row r, the new token's K/V already in it).
+        cache row `cache_rows[r]`, the new token's K/V already in it).
 
         The cache loads come first and depend on the row's length alone: slots up to the new token's were all
         written (the prefill writes left padding too), and the ones the row does not attend to (left padding) are
@@ -71,7 +72,7 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         slots = split * CHUNK + tl.arange(0, CHUNK)
         written = slots <= tl.load(cache_lens + row)
-        cache = row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot + dims[None, :]
+        cache = tl.load(cache_rows + row).to(tl.int64) * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot + dims[None, :]
         k = tl.load(keys + cache, mask=written[:, None], other=0.0)
         v = tl.load(values + cache, mask=written[:, None], other=0.0)
         readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
@@ -127,9 +128,9 @@ def attention_context(attendable, cache_rows, cache_lens, kv_len, dtype):
     return attendable, cache_rows
 
 
-def decode_attention(q, keys, values, cache_lens, attendable, kv_len, scale):
-    """`decode_attention_reference` as flash-decoding in two launches: chunks, then their merge; `attendable` from
-    `attention_context`. (Fusing QK-norm/RoPE/KV write into the chunks' launch, and the merge into their last
+def decode_attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, scale):
+    """`decode_attention_reference` as flash-decoding in two launches: chunks, then their merge; `attendable` and
+    `cache_rows` from `attention_context`. (Fusing QK-norm/RoPE/KV write into the chunks' launch, and the merge into their last
     programs, makes the whole step slower at every batch size on an H200; so do, under PDL, the write inside the
     chunks' launch and, at batch 1, the merge inside o_proj's matmul, merging each head as its K step loads it.)"""
     rows, heads, head_dim = q.shape
@@ -140,7 +141,7 @@ def decode_attention(q, keys, values, cache_lens, attendable, kv_len, scale):
     part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     launch(_decode_attention_kernel, (rows, kv_heads, splits),
-        q, keys, values, cache_lens, attendable, part_out, part_max, part_sum, scale,
+        q, keys, values, cache_lens, attendable, cache_rows, part_out, part_max, part_sum, scale,
         keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
         splits, CHUNK=CHUNK, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim,

@@ -110,11 +110,11 @@ class TorchOps:
 
     def decode_attention(self, x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_lens, context, kv_len, scale):
         """Attention of one new token per row from the layer's normed input `x`: the QKV projection, QK-norm and rotary
-        embedding, the new K/V written into the row's cache row at slot `cache_lens[row]` (row r's cache row is r),
-        then attention over the first `kv_len` slots; returns `(rows, Hq * D)`."""
+        embedding, the new K/V written into the row's cache row (the context's) at slot `cache_lens[row]`, then
+        attention over the first `kv_len` slots; returns `(rows, Hq * D)`."""
         mask, cache_rows = context
         q = self.qkv_norm_rope_write(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_lens)
-        return decode_attention_reference(q, keys, values, mask, kv_len, scale)
+        return decode_attention_reference(q, keys, values, mask, cache_rows, kv_len, scale)
 
     def linear_swiglu(self, x, gate_up_weight):
         """The fused gate/up projection, then SwiGLU: `silu_mul(x @ gate_up_weight.T)`, `(rows, I)`."""
@@ -242,7 +242,7 @@ class TritonOps(TorchOps):
         """`qkv_norm_rope_write`, then flash-decoding in two launches (`decode_attention` of the attention file)."""
         attendable, cache_rows = context
         q = self.qkv_norm_rope_write(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_lens)
-        return decode_attention(q, keys, values, cache_lens, attendable, kv_len, scale)
+        return decode_attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, scale)
 
     def decode_rotary(self, rotary_emb, hidden, positions, components):
         """One launch for the dozen small kernels of the stock module, where `rotary_components` read them off it."""

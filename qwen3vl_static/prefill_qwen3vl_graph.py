@@ -18,8 +18,9 @@ function of fixed-shape tensors, so it can be captured as a CUDA graph per (batc
   masked); a fresh prompt's KV slots are its own tokens;
 - K/V of all bucket slots are written to the cache: slots past the prompt hold padding values that the decode
   step overwrites before anything reads them (it attends to written slots only);
-- the prompt's rows are cache rows [first_row, first_row + rows), `first_row` a buffer like `start`: continuous
-  batching prefills a request into a free row while the other rows hold theirs, through the same graphs.
+- the prompt's rows go to the cache rows of a buffer like `start` (by default rows 0, 1, ...): continuous batching
+  prefills requests into free rows while the other rows hold theirs, through the same graphs (its batches fill
+  their bucket exactly: a bucket's padding rows would write into the rows they point to).
 A prompt larger than the graph budget runs the same function eagerly at its exact size.
 """
 
@@ -65,17 +66,18 @@ class PrefillRunner(GraphRunner):
         # Per row and cache slot: whether a query may attend to it (the attention mask over cached and new tokens).
         self.attendable = buffer(cache.rows if self.bucketed else 0, cache.capacity, dtype=torch.bool)
         self.start = buffer(1)  # the first slot the prompt writes (what the cache already holds)
-        self.first_row = buffer(1)  # the cache row of the prompt's first row
+        self.cache_rows = buffer(cache.rows)  # the cache row of each of the prompt's rows
+        self.default_rows = torch.arange(cache.rows, device=device)
         self.last = buffer(1)
         self.logits = buffer(cache.rows if self.bucketed else 0, text.lm_head.shape[0], dtype=torch.float32)
 
     def run(self, input_ids, attention_mask, positions, modality, visual=None, deepstack=(), padded=True, start: int = 0,
-            first_row: int = 0):
+            rows=None):
         """Prefill `input_ids` `(b, s)` with M-RoPE `positions` `(3, b, s)` into cache slots [start, start + s) of
-        cache rows [first_row, first_row + b), after the `start` slots the cache already holds. `attention_mask` `(b, start + s)` covers both (None: all
-        ones). `modality` `(b, s)`: 0 for a token embedded as text, 1 (2) for one that takes the next image (video)
-        feature; `visual` `(n, hidden)` and each of `deepstack` hold those features, the images' first (None for
-        text). `padded`: whether `attention_mask` has any zero (the caller knows it without another host read).
+        cache rows `rows` (a `(b,)` tensor; None: rows 0 to b - 1), after the `start` slots the cache already holds.
+        `attention_mask` `(b, start + s)` covers both (None: all ones). `modality` `(b, s)`: 0 for a token embedded as
+        text, 1 (2) for one that takes the next image (video) feature; `visual` `(n, hidden)` and each of `deepstack`
+        hold those features, the images' first (None for text). `padded`: whether `attention_mask` has any zero (the caller knows it without another host read).
         Returns float32 logits of the last position `(b, vocab)`."""
         batch, length = input_ids.shape
         kv_len = start + length
@@ -85,13 +87,19 @@ class PrefillRunner(GraphRunner):
             attendable = attention_mask.bool()
         masked = (padded and attention_mask is not None) or start > 0
         key = self.bucket(batch, length, start)
+        if rows is None:
+            rows = self.default_rows[:batch]
+        elif key is not None and key[0] != batch:
+            key = None  # the bucket's padding rows would write into other requests' rows: the exact size, eagerly
         if key is None:
             if visual is None:  # zero features: the same ops as a multimodal prompt, adding exact zeros
                 visual = self.visual[:1].new_zeros(1, self.visual.shape[1])
                 deepstack = [visual] * self.deepstack.shape[0]
-            first, last, row = (torch.full((1,), value, dtype=torch.long, device=input_ids.device)
-                                for value in (start, length - 1, first_row))
-            return self.forward(input_ids, positions, attendable, modality, visual, deepstack, first, last, row, masked)
+            first, last = (torch.full((1,), value, dtype=torch.long, device=input_ids.device)
+                           for value in (start, length - 1))
+            return self.forward(input_ids, positions, attendable, modality, visual, deepstack, first, last, rows, masked)
+        self.cache_rows[:batch] = rows
+        self.cache_rows[batch : key[0]] = self.default_rows[batch : key[0]]  # padding rows: rows the call leaves free
         rows, size, kv_slots = key
         for buffer, value in zip((self.input_ids, self.modality), (input_ids, modality)):
             view = buffer[: rows * size].view(rows, size)
@@ -108,7 +116,6 @@ class PrefillRunner(GraphRunner):
                 buffer[: features.shape[0]] = features
         self.start.fill_(start)
         self.last.fill_(length - 1)
-        self.first_row.fill_(first_row)
         self.execute((*key, masked))
         return self.logits[:batch].clone()
 
@@ -116,9 +123,9 @@ class PrefillRunner(GraphRunner):
         """Inputs for warm-up steps, in bounds for every bucket: text token 0 at position 0 written to slot 0 on, each
         slot unattendable (a token still sees itself), the output read at token 0 (a previous, longer prompt's last
         token lies past a smaller bucket)."""
-        for buffer in (self.input_ids, self.positions, self.modality, self.attendable, self.start, self.last,
-                       self.first_row):
+        for buffer in (self.input_ids, self.positions, self.modality, self.attendable, self.start, self.last):
             buffer.zero_()
+        self.cache_rows.copy_(self.default_rows)
 
     def bucket(self, batch: int, length: int, start: int = 0):
         """(rows, tokens, KV slots) bucket of a prompt written from slot `start` on, or None when it runs at its exact
@@ -140,7 +147,7 @@ class PrefillRunner(GraphRunner):
         self.logits[:rows] = self.forward(
             self.input_ids[:tokens].view(rows, size), self.positions[:, :tokens].view(3, rows, size),
             self.attendable[:rows, :kv_slots], self.modality[:tokens].view(rows, size),
-            self.visual, self.deepstack, self.start, self.last, self.first_row, masked,
+            self.visual, self.deepstack, self.start, self.last, self.cache_rows[:rows], masked,
         )
 
     def describe(self, key) -> str:
@@ -148,11 +155,12 @@ class PrefillRunner(GraphRunner):
         after = f" after the cache, {kv_slots} slots" if kv_slots != size else ""
         return f"prefill ({rows} rows x {size} tokens{after}{', masked' if masked else ''})"
 
-    def forward(self, input_ids, positions, attendable, modality, visual, deepstack, start, last, first_row,
+    def forward(self, input_ids, positions, attendable, modality, visual, deepstack, start, last, row_ids,
                 masked) -> torch.Tensor:
         """The prompt forward on tensors of one fixed shape `(rows, size)`; writes K/V of slots [start, start + size)
-        of cache rows [first_row, first_row + rows) and attends to the slots of `attendable` `(rows, KV slots)`. `masked`: some slot is not attendable or the
-        prompt follows cached slots (else causality within the prompt is the whole mask)."""
+        of cache rows `row_ids` `(rows,)` and attends to the slots of `attendable` `(rows, KV slots)`. `masked`: some
+        slot is not attendable or the prompt follows cached slots (else causality within the prompt is the whole
+        mask)."""
         ops, text = self.ops, self.text
         rows, size = input_ids.shape
         kv_slots = attendable.shape[1]
@@ -168,7 +176,6 @@ class PrefillRunner(GraphRunner):
         tokens = rows * size
         rotary = ops.rotary(cos.view(tokens, 1, -1), sin.view(tokens, 1, -1))  # shared by all layers
         slots = start + torch.arange(size, device=input_ids.device)
-        row_ids = first_row + torch.arange(rows, device=slots.device)
         cache_rows, cache_slots = row_ids.repeat_interleave(size), slots.repeat(rows)
         if masked:
             # Stock's padding mask: causal over attendable slots; a query with no such slot sees itself instead.

@@ -99,7 +99,7 @@ class KernelTuner:
             for _ in range(3):  # compiles the kernels, warms cuBLAS, measures the ops a candidate itself dispatches
                 between_neighbours(candidate)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as the capturer's graphs
                 between_neighbours(candidate)
             graphs.append(graph)
         flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size // 2, dtype=torch.float32, device=device)

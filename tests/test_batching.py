@@ -1,6 +1,7 @@
 """Continuous batching (`generate_batch`, `init_continuous_batching`): each request's output equals `generate` on that
-request alone (fp32, token for token), with more requests than cache rows, images among them, and rows finishing
-at different steps; a bad request fails alone; the model stays usable for `generate` afterwards."""
+request alone (fp32, token for token), with more requests than cache rows, images among them, requests entering
+together, and rows finishing at different steps; a bad request fails alone; the model stays usable for `generate`
+afterwards."""
 
 import pytest
 import torch
@@ -27,7 +28,17 @@ def requests_and_expected(stock, count, eos_token_id=None):
 def test_each_request_generates_as_alone(pair):
     ours, stock = pair()  # 4 cache rows for 7 requests: rows are taken again as they free up
     requests, expected = requests_and_expected(stock, 7)
+    calls, stepped = [], []  # rows of each `generate` call that admits requests; rows of each chunk of steps
+    generate, runner = ours.generate, ours.graph_engine().decode
+    ours.generate = lambda **inputs: calls.append(inputs["input_ids"].shape[0]) or generate(**inputs)
+    issue = runner.issue
+    runner.issue = lambda *args: stepped.append(runner.batch_size) or issue(*args)
     results = ours.generate_batch(requests, progress_bar=False)
+    del ours.generate, runner.issue
+    # The first 4 requests arrive together: the 2 image and the 2 text prompts (each pair of two lengths, padded on
+    # the left) enter in one call per pair. The rows in use move to the front: the last request steps alone.
+    assert calls[:2] == [2, 2] and sum(calls) == 7
+    assert stepped[0] == 4 and stepped[-1] == 1
     assert list(results) == [f"req_{index}" for index in range(7)]
     for result, tokens, request in zip(results.values(), expected, requests):
         assert result.status == RequestStatus.FINISHED and result.error is None

@@ -22,18 +22,20 @@ pytestmark = needs_triton
 def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtype, kv_len):
     """Decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge) against the reference ops. Every
     slot it must not read (unwritten, the new token's own slot included until it is written) or attend to (left
-    padding) holds NaN, so using one poisons the output; only each row's new slot may change."""
+    padding) holds NaN, so using one poisons the output; only each row's new slot may change. Rows read and write the
+    cache rows they are given (a permutation with a row left out), not their own."""
     rows, heads, kv_heads, dim, capacity, hidden = 3, 4, 2, 32, 160, 64
     x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
     qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
     cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
     cache_lens = torch.tensor([0, 30, kv_len - 1], device=DEVICE)
-    attendable = torch.ones(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
+    cache_rows = torch.tensor([2, 0, 3], device=DEVICE)  # cache row 1 is no row's: it must stay as it is
+    attendable = torch.ones(rows, capacity, dtype=torch.bool, device=DEVICE)
     attendable[1, :9] = False  # left padding of row 1
     attendable[2, :kv_len // 2] = False
     slots = torch.arange(capacity, device=DEVICE)
-    lens = torch.cat([cache_lens, cache_lens[:1]])[:, None]
-    unreadable = (slots >= lens) | ~attendable
+    unreadable = torch.ones(rows + 1, capacity, dtype=torch.bool, device=DEVICE)  # per cache row
+    unreadable[cache_rows] = (slots >= cache_lens[:, None]) | ~attendable
     keys, values = randn(rows + 1, kv_heads, capacity, dim, dtype=dtype), randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)
     poisoned = keys.clone(), values.clone()
     for cache in poisoned:
@@ -41,18 +43,18 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
     # The reference runs in float32 and masks with -inf scores; as 0 * NaN is NaN, it gets the random values where
     # the kernel gets NaN.
     k_ref, v_ref = keys.float(), values.float()
-    context = Torch.attention_context(attendable[:rows], torch.arange(rows, device=DEVICE), cache_lens, kv_len, torch.float32)
+    context = Torch.attention_context(attendable, cache_rows, cache_lens, kv_len, torch.float32)
     out_ref = Torch.decode_attention(x.float(), qkv_weight.float(), heads, tuple(w.float() for w in qk_norms[:2]) + qk_norms[2:],
                                      Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_lens, context, kv_len,
                                      dim**-0.5)
     k, v = (tensor.clone() for tensor in poisoned)
-    context = Triton.attention_context(attendable[:rows], torch.arange(rows, device=DEVICE), cache_lens, kv_len, dtype)
+    context = Triton.attention_context(attendable, cache_rows, cache_lens, kv_len, dtype)
     with poisoned_empty():  # the partial results and the output
         out = Triton.decode_attention(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), k, v, cache_lens, context, kv_len,
                                       dim**-0.5)
     assert_close_at_scale(out, out_ref)
     new = torch.zeros(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
-    new[torch.arange(rows, device=DEVICE), cache_lens] = True
+    new[cache_rows, cache_lens] = True
     for got, expected, before in zip((k, v), (k_ref, v_ref), poisoned):
         assert_close_at_scale(got.transpose(1, 2)[new], expected.transpose(1, 2)[new])
         torch.testing.assert_close(got.transpose(1, 2)[~new], before.transpose(1, 2)[~new], rtol=0, atol=0, equal_nan=True)
