@@ -1,0 +1,92 @@
+"""Where continuous batching's time goes (H200): the `bench --batching` rows, then one more continuous run of each
+workload with its stages timed, synchronized: admissions (`_admit`: `generate` through vision and prefill into one
+row) and decode chunks (issue to collect), with their counts and the mean rows stepped per chunk.
+
+Run: `python bench/probes/batching_probe.py [--no-rows]` (writes $OUT/batching-probe.json, or
+bench/results/batching-probe.json).
+"""
+
+import json
+import os
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+from qwen3vl_static.batching_qwen3vl_graph import GraphBatchingManager
+from qwen3vl_static.bench_batching import (
+    BATCHING_REQUESTS,
+    BATCHING_SLOTS,
+    MAX_ANSWER,
+    PROMPT_TOKENS,
+    answer_lengths,
+    batching,
+    continuous,
+)
+from qwen3vl_static.decode_qwen3vl_graph import DecodeRunner
+from qwen3vl_static.workloads import build_models, build_ours, generate_exactly_as_asked, image_prompt, text_prompt
+
+
+def timed_stages(model, prompts, lengths) -> dict:
+    """One continuous run with `_admit` and the decode chunks timed (synchronized: the run is slower than untimed)."""
+    stages = {"admit_ms": 0.0, "admissions": 0, "chunk_ms": 0.0, "chunks": 0, "rows_stepped": 0}
+    admit, issue, collect = GraphBatchingManager._admit, DecodeRunner.issue, DecodeRunner.__dict__["collect"]
+
+    def timed_admit(self, *args):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        result = admit(self, *args)
+        torch.cuda.synchronize()
+        stages["admit_ms"] += 1000 * (time.perf_counter() - began)
+        stages["admissions"] += 1
+        return result
+
+    def timed_issue(self, steps, mode):
+        stages["issued"] = time.perf_counter()
+        stages["chunks"] += 1
+        stages["rows_stepped"] += self.batch_size
+        return issue(self, steps, mode)
+
+    def timed_collect(handle):
+        result = collect.__func__(handle)
+        stages["chunk_ms"] += 1000 * (time.perf_counter() - stages.pop("issued"))
+        return result
+
+    GraphBatchingManager._admit, DecodeRunner.issue = timed_admit, timed_issue
+    DecodeRunner.collect = staticmethod(timed_collect)
+    try:
+        row, _ = continuous(model, prompts, lengths)
+    finally:
+        GraphBatchingManager._admit, DecodeRunner.issue, DecodeRunner.collect = admit, issue, collect
+    stages["mean_rows_per_chunk"] = stages.pop("rows_stepped") / max(stages["chunks"], 1)
+    return {**row, **stages}
+
+
+def main():
+    out = Path(os.environ.get("OUT", "bench/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    result = {}
+    if "--no-rows" not in sys.argv:
+        _, stock = build_models(device, dtype)
+        result["rows"] = batching(Namespace(model="2b"), stock, {}, torch.Generator().manual_seed(0))
+        for row in result["rows"]:
+            print(json.dumps(row))
+        del stock
+    generator = torch.Generator().manual_seed(0)
+    lengths = answer_lengths(BATCHING_REQUESTS, generator)
+    model = build_ours(device, dtype, max_batch_size=BATCHING_SLOTS, static_cache_len=PROMPT_TOKENS + MAX_ANSWER + 8)
+    generate_exactly_as_asked(model)
+    for workload, prompt in (("text", lambda: text_prompt(model.config, 1, PROMPT_TOKENS, device, generator)),
+                             ("448x448 image", lambda: image_prompt(model.config, device, generator))):
+        prompts = [prompt() for _ in range(BATCHING_REQUESTS)]
+        continuous(model, prompts[:BATCHING_SLOTS], lengths[:BATCHING_SLOTS])
+        result[workload] = timed_stages(model, prompts, lengths)
+        print(workload, json.dumps(result[workload]))
+    (out / "batching-probe.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
