@@ -421,19 +421,33 @@ def report(summary, out_dir: Path) -> Path:
     name = summary["device"].replace(" ", "-").lower() + ("" if summary["model"] == "2b" else f"-{summary['model']}")
     path = out_dir / f"{name}-{summary['date'].replace('-', '')}.json"
     path.write_text(json.dumps(summary, indent=2))
+    plot(summary, path.with_suffix(".png"))
+    return path
+
+
+def plot(summary, path) -> None:
+    """Decode ms/step by batch size per system; beside it, with --batching, each system's useful tokens/s (nothing
+    without matplotlib)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return path
+        return
+    batching = [row for row in summary.get("batching", []) if "useful_tokens_per_s" in row]
+    fig, axes = plt.subplots(1, 2 if batching else 1, figsize=(12 if batching else 6, 4), squeeze=False)
+    ax = axes[0][0]
     decode = [r for r in summary["results"] if "decode_ms_per_step" in r]
-    fig, ax = plt.subplots(figsize=(6, 4))
     for system in dict.fromkeys(r["system"] for r in decode):
         rows = [r for r in decode if r["system"] == system]
         ax.plot([r["batch_size"] for r in rows], [r["decode_ms_per_step"] for r in rows], marker="o", label=system)
     ax.set(xlabel="batch size", ylabel="decode ms/step", yscale="log", title=f"{summary['device']}, Qwen3-VL-{summary['model'].upper()}")
     ax.legend()
-    fig.savefig(path.with_suffix(".png"), dpi=120, bbox_inches="tight")
-    return path
+    if batching:
+        ax = axes[0][1]
+        ax.barh([f"{row['workload']}\n{row['system']} ({row['requests']})" for row in batching],
+                [row["useful_tokens_per_s"] for row in batching])
+        ax.invert_yaxis()
+        ax.set(xlabel="useful tokens/s", xscale="log", title="many requests, answers of uneven lengths")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
