@@ -299,8 +299,8 @@ class GraphBatchingManager:
         needed = prompt + new_tokens + steps - 1
         if new_tokens < 1 or needed > engine.cache.capacity:
             raise ValueError(f"The request needs {needed} cache slots (a {prompt}-token prompt, {new_tokens} new "
-                             f"tokens and {steps - 1} steps past them, as a row stops between chunks of steps_per_sync steps) "
-                             f"but static_cache_len is {engine.cache.capacity}.")
+                             f"tokens and {steps - 1} steps past them, as a row stops between chunks of steps_per_sync "
+                             f"steps) but static_cache_len is {engine.cache.capacity}.")
 
     def _enter(self, part, rows, engine) -> dict:
         """Prefill the alike requests `part` into `rows` through one `generate` call (prompts of several lengths

@@ -93,6 +93,15 @@ def stock_continuous(stock, prompts, lengths) -> dict:
     return {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds}
 
 
+def warm_graphs(model) -> None:
+    """Capture ahead the graphs the runs meet: decode steps of any number of rows at every KV length, prefills of the
+    groups that enter together (batch buckets up to 8 rows fit the prefill graph budget), the vision tower of the
+    groups' images (8 exceed `vision_graph_patches`: they run eagerly)."""
+    patches = (448 // model.config.vision_config.patch_size) ** 2  # image_prompt's 448x448 image
+    model.warmup(batch_sizes=list(range(1, BATCHING_SLOTS + 1)), modes=("greedy",), prompt_lengths=[PROMPT_TOKENS],
+                 image_patches=[patches * images for images in (1, 2, 4)])
+
+
 def batching(args, stock, settings, generator) -> list:
     """The --batching rows (one per workload and system)."""
     device, dtype = stock.device, stock.dtype
@@ -101,12 +110,7 @@ def batching(args, stock, settings, generator) -> list:
     model = build_ours(device, dtype, args.model, max_batch_size=BATCHING_SLOTS, static_cache_len=cache_len,
                        **settings)
     generate_exactly_as_asked(model)
-    # The graphs the runs meet, captured ahead: decode steps of any number of rows at every KV length, prefills of the
-    # groups that enter together (batch buckets up to 8 rows fit the prefill graph budget), the vision tower of the
-    # groups' images (8 exceed `vision_graph_patches`: they run eagerly).
-    patches = (448 // model.config.vision_config.patch_size) ** 2  # image_prompt's 448x448 image
-    model.warmup(batch_sizes=list(range(1, BATCHING_SLOTS + 1)), modes=("greedy",), prompt_lengths=[PROMPT_TOKENS],
-                 image_patches=[patches * images for images in (1, 2, 4)])
+    warm_graphs(model)
     rows = []
     workloads = {"text": [text_prompt(model.config, 1, PROMPT_TOKENS, device, generator)
                           for _ in range(BATCHING_REQUESTS)],

@@ -1,6 +1,7 @@
 """Where continuous batching's time goes (H200): the `bench --batching` rows, then one more continuous run of each
-workload with its stages timed, synchronized: admissions (`_admit`: `generate` through vision and prefill into one
-row) and decode chunks (issue to collect), with their counts and the mean rows stepped per chunk.
+workload with its stages timed, synchronized, after the same warmup: admissions (`_admit`: `generate` calls through
+vision and prefill into free rows) and decode chunks (issue to collect), with their counts and the mean rows stepped
+per chunk.
 
 Run: `python bench/probes/batching_probe.py [--no-rows]` (writes $OUT/batching-probe.json, or
 bench/results/batching-probe.json).
@@ -24,6 +25,7 @@ from qwen3vl_static.bench_batching import (
     answer_lengths,
     batching,
     continuous,
+    warm_graphs,
 )
 from qwen3vl_static.decode_qwen3vl_graph import DecodeRunner
 from qwen3vl_static.workloads import build_models, build_ours, generate_exactly_as_asked, image_prompt, text_prompt
@@ -71,14 +73,13 @@ def main():
     result = {}
     if "--no-rows" not in sys.argv:
         _, stock = build_models(device, dtype)
-        result["rows"] = batching(Namespace(model="2b"), stock, {}, torch.Generator().manual_seed(0))
-        for row in result["rows"]:
-            print(json.dumps(row))
+        result["rows"] = batching(Namespace(model="2b"), stock, {}, torch.Generator().manual_seed(0))  # prints them
         del stock
     generator = torch.Generator().manual_seed(0)
     lengths = answer_lengths(BATCHING_REQUESTS, generator)
     model = build_ours(device, dtype, max_batch_size=BATCHING_SLOTS, static_cache_len=PROMPT_TOKENS + MAX_ANSWER + 8)
     generate_exactly_as_asked(model)
+    warm_graphs(model)
     for workload, prompt in (("text", lambda: text_prompt(model.config, 1, PROMPT_TOKENS, device, generator)),
                              ("448x448 image", lambda: image_prompt(model.config, device, generator))):
         prompts = [prompt() for _ in range(BATCHING_REQUESTS)]
