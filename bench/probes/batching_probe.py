@@ -32,9 +32,15 @@ from qwen3vl_static.workloads import build_models, build_ours, generate_exactly_
 
 
 def timed_stages(model, prompts, lengths) -> dict:
-    """One continuous run with `_admit` and the decode chunks timed (synchronized: the run is slower than untimed)."""
-    stages = {"admit_ms": 0.0, "admissions": 0, "chunk_ms": 0.0, "chunks": 0, "rows_stepped": 0}
+    """One continuous run with `_admit` (each round of admissions) and the decode chunks timed (synchronized: the run
+    is slower than untimed), and the `generate` calls of the admissions counted."""
+    stages = {"admit_ms": 0.0, "admissions": 0, "generate_calls": 0, "chunk_ms": 0.0, "chunks": 0, "rows_stepped": 0}
     admit, issue, collect = GraphBatchingManager._admit, DecodeRunner.issue, DecodeRunner.__dict__["collect"]
+    generate = model.generate
+
+    def counted_generate(**inputs):
+        stages["generate_calls"] += 1
+        return generate(**inputs)
 
     def timed_admit(self, *args):
         torch.cuda.synchronize()
@@ -57,11 +63,12 @@ def timed_stages(model, prompts, lengths) -> dict:
         return result
 
     GraphBatchingManager._admit, DecodeRunner.issue = timed_admit, timed_issue
-    DecodeRunner.collect = staticmethod(timed_collect)
+    DecodeRunner.collect, model.generate = staticmethod(timed_collect), counted_generate
     try:
         row, _ = continuous(model, prompts, lengths)
     finally:
         GraphBatchingManager._admit, DecodeRunner.issue, DecodeRunner.collect = admit, issue, collect
+        del model.generate
     stages["mean_rows_per_chunk"] = stages.pop("rows_stepped") / max(stages["chunks"], 1)
     return {**row, **stages}
 
