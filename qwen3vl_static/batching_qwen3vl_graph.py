@@ -58,8 +58,8 @@ class Admission:
                              "stopping at EOS ids and max_new_tokens; this request's settings need another processor "
                              "or criterion: run it with `generate`.")
         runner = model._engine.decode
-        rows, cache_rows = (torch.tensor(rows, device=input_ids.device)
-                            for rows in (self.rows, [runner.cache_row_of[row] for row in self.rows]))
+        rows = torch.tensor(self.rows, device=input_ids.device)
+        cache_rows = torch.tensor([runner.cache_row_of[row] for row in self.rows], device=input_ids.device)
         logits, positions = model._prefill_prompt(input_ids, model_kwargs, 0, rows=cache_rows)
         runner.set_row_sampling(rows, plan["temperature"], plan["top_k"], plan["top_p"])
         tokens = first_tokens(runner, logits, plan["mode"], rows)

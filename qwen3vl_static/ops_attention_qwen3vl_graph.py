@@ -72,7 +72,9 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         slots = split * CHUNK + tl.arange(0, CHUNK)
         written = slots <= tl.load(cache_lens + row)
-        cache = tl.load(cache_rows + row).to(tl.int64) * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot + dims[None, :]
+        cache_row = tl.load(cache_rows + row).to(tl.int64)
+        cache = (cache_row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot
+                 + dims[None, :])
         k = tl.load(keys + cache, mask=written[:, None], other=0.0)
         v = tl.load(values + cache, mask=written[:, None], other=0.0)
         readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
@@ -130,8 +132,8 @@ def attention_context(attendable, cache_rows, cache_lens, kv_len, dtype):
 
 def decode_attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, scale):
     """`decode_attention_reference` as flash-decoding in two launches: chunks, then their merge; `attendable` and
-    `cache_rows` from `attention_context`. (Fusing QK-norm/RoPE/KV write into the chunks' launch, and the merge into their last
-    programs, makes the whole step slower at every batch size on an H200; so do, under PDL, the write inside the
+    `cache_rows` from `attention_context`. (Fusing QK-norm/RoPE/KV write into the chunks' launch, and the merge into
+    their last programs, makes the whole step slower at every batch size on an H200; so do, under PDL, the write inside the
     chunks' launch and, at batch 1, the merge inside o_proj's matmul, merging each head as its K step loads it.)"""
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[1]

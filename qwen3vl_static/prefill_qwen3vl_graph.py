@@ -77,8 +77,8 @@ class PrefillRunner(GraphRunner):
         cache rows `rows` (a `(b,)` tensor; None: rows 0 to b - 1), after the `start` slots the cache already holds.
         `attention_mask` `(b, start + s)` covers both (None: all ones). `modality` `(b, s)`: 0 for a token embedded as
         text, 1 (2) for one that takes the next image (video) feature; `visual` `(n, hidden)` and each of `deepstack`
-        hold those features, the images' first (None for text). `padded`: whether `attention_mask` has any zero (the caller knows it without another host read).
-        Returns float32 logits of the last position `(b, vocab)`."""
+        hold those features, the images' first (None for text). `padded`: whether `attention_mask` has any zero (the
+        caller knows it without another host read). Returns float32 logits of the last position `(b, vocab)`."""
         batch, length = input_ids.shape
         kv_len = start + length
         if attention_mask is None:
