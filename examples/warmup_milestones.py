@@ -22,7 +22,8 @@ if torch.cuda.is_available():
     with torch.device("cuda"):
         model = Qwen3VLGraphForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
     model.generation_config.eos_token_id = None  # random weights: generate exactly max_new_tokens
-    # Each (batch size, cache length) is rounded up to its bucket; "greedy" and "sample" graphs by default.
+    # Each (batch size, cache length) is rounded up to its bucket; "greedy", "sample" and "sample_top_k" graphs
+    # by default.
     seconds = model.warmup(batch_sizes=[1, 4], cache_lengths=[512, 1024, 2048])
     captured = len(model.graph_engine().decode.graphs)
     print(f"captured {captured} decode graphs in {seconds:.2f} s")

@@ -76,6 +76,7 @@ class _Request:
         self.output = GenerationOutput(request_id=request_id)
         self.prompt = None  # its model inputs on the model's device, `(1, n)` token rows
         self.eos_ids = ()
+        self.mode = None  # its decode mode (`device_plan`)
         self.max_new_tokens = 0
         self.length = 0  # cache slots its row holds
 
@@ -211,7 +212,6 @@ class GraphBatchingManager:
     def _decode_rows(self, engine) -> None:
         runner, cache = engine.decode, engine.cache
         runner.open_slots(self.generation_config.pad_token_id)
-        mode = "sample" if self.generation_config.do_sample else "greedy"
         rows = [None] * cache.rows  # the request each row holds
         pending = deque()
         while True:
@@ -238,6 +238,9 @@ class GraphBatchingManager:
                 continue
             runner.continue_rows(active[-1] + 1, max(rows[row].length for row in active))
             steps = runner.steps_per_sync
+            # The candidates' mode only where every row's top-k allows it (greedy batches: "greedy" throughout).
+            modes = {rows[row].mode for row in active}
+            mode = "sample" if "sample" in modes else modes.pop()
             tokens, _ = runner.collect(runner.issue(steps, mode))
             for row in active:
                 request = rows[row]
@@ -332,6 +335,7 @@ class GraphBatchingManager:
         now, admitted = time.perf_counter(), {}
         for request, row, token in zip(part, rows, tokens):
             request.eos_ids, request.length = set(admission.plan["eos_ids"]), inputs["input_ids"].shape[1]
+            request.mode = admission.plan["mode"]
             self.timings[request.output.request_id]["first_token"] = now
             if self._append(request, token):
                 runner.release(row)

@@ -9,17 +9,17 @@ EOS flags and the next input token all advance on the device inside the step, so
 no host work at all; the host reads the chunk's tokens once per `steps_per_sync` steps.
 
 Graphs are keyed by (batch bucket, KV-length bucket, mode) and share the model's one memory pool. Modes: "logits"
-returns float32 logits (for loops that post-process them on the host), "greedy" and "sample" pick the
-next token inside the graph.
+returns float32 logits (for loops that post-process them on the host), "greedy", "sample" and "sample_top_k" (every
+row's top-k at most `TOP_K_CANDIDATES`: no sort of the whole vocabulary) pick the next token inside the graph.
 """
 
 import torch
 
 from .decoder_qwen3vl_graph import decoder_layers
-from .loops_qwen3vl_graph import MAX_EOS_IDS, sample_tokens
+from .loops_qwen3vl_graph import MAX_EOS_IDS, candidates, sample_tokens
 from .runner_qwen3vl_graph import GraphRunner, bucket_of
 
-MODES = ("logits", "greedy", "sample")
+MODES = ("logits", "greedy", "sample", "sample_top_k")
 
 
 class DecodeRunner(GraphRunner):
@@ -184,8 +184,9 @@ class DecodeRunner(GraphRunner):
             self.ops.advance(cache_lens, positions)
             return
         tokens = None  # greedy: the argmax, inside finish_step
-        if mode == "sample":
-            tokens = sample_tokens(logits.float(), self.temperature[:rows], self.top_k[:rows], self.top_p[:rows])
+        if mode != "greedy":
+            tokens = sample_tokens(logits.float(), self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
+                                   candidates(mode))
         self.ops.finish_step(logits, tokens, self.unfinished[:rows], self.pad_id, self.eos_ids, self.input_ids[:rows],
                              self.out_tokens[:rows], self.out_unfinished[:rows], self.chunk_step, cache_lens, positions)
 

@@ -16,18 +16,25 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 MAX_EOS_IDS = 8  # EOS ids the decode step checks in the graph
+# Candidates of the "sample_top_k" mode: rows whose top-k keeps at most this many tokens draw from the largest this
+# many scores (a partial selection) instead of the whole sorted vocabulary, the same distribution.
+TOP_K_CANDIDATES = 64
 
 
-def sample_tokens(logits, temperature, top_k, top_p):
+def sample_tokens(logits, temperature, top_k, top_p, candidates: int | None = None):
     """Temperature, top-k, top-p (transformers' warper semantics, per-row parameters) and a draw, graph-safe.
 
     Works in descending-sorted space: top-k masks ranks >= k, top-p masks a token once the probability mass
     ranked strictly above it reaches `top_p`. The draw is argmax(p / Exp(1)) (an exact categorical sample that
-    needs no host sync, unlike torch.multinomial).
+    needs no host sync, unlike torch.multinomial). With `candidates`, only the largest `candidates` scores are
+    sorted: exact when every row's top-k is at most that many (the ranks past it are masked anyway).
     """
     scores = logits / temperature[:, None]
-    sorted_scores, order = scores.sort(dim=-1, descending=True)
-    ranks = torch.arange(scores.shape[-1], device=scores.device)
+    if candidates is None:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+    else:
+        sorted_scores, order = scores.topk(min(candidates, scores.shape[-1]), dim=-1)
+    ranks = torch.arange(sorted_scores.shape[-1], device=scores.device)
     sorted_scores = sorted_scores.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = sorted_scores.softmax(dim=-1)
     mass_above = probs.cumsum(dim=-1) - probs
@@ -41,7 +48,8 @@ def device_plan(logits_processor, stopping_criteria, generation_config) -> dict 
 
     Covered: greedy, or sampling with temperature, top-k and top-p, each at most once and in that order (the
     sampler's, which is transformers' own when it builds them from the generation config), stopping on max length
-    and up to MAX_EOS_IDS EOS ids. Anything else (other processors or orders, stop strings, custom criteria,
+    and up to MAX_EOS_IDS EOS ids. The mode: "greedy", "sample_top_k" (a top-k of at most TOP_K_CANDIDATES) or
+    "sample". Anything else (other processors or orders, stop strings, custom criteria,
     returned scores) runs the host loop.
     """
     if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
@@ -73,6 +81,8 @@ def device_plan(logits_processor, stopping_criteria, generation_config) -> dict 
             return None
     if plan["max_length"] is None or len(plan["eos_ids"]) > MAX_EOS_IDS:
         return None
+    if plan["mode"] == "sample" and plan["top_k"] is not None and plan["top_k"] <= TOP_K_CANDIDATES:
+        plan["mode"] = "sample_top_k"
     return plan
 
 
@@ -81,7 +91,12 @@ def first_tokens(runner, logits, mode: str, rows: slice) -> torch.Tensor:
     sampler and the rows' own parameters."""
     if mode == "greedy":
         return logits.argmax(dim=-1)
-    return sample_tokens(logits, runner.temperature[rows], runner.top_k[rows], runner.top_p[rows])
+    return sample_tokens(logits, runner.temperature[rows], runner.top_k[rows], runner.top_p[rows], candidates(mode))
+
+
+def candidates(mode: str) -> int | None:
+    """The sampler's candidates in a sampling `mode` (None: the whole vocabulary)."""
+    return TOP_K_CANDIDATES if mode == "sample_top_k" else None
 
 
 def device_loop(runner, input_ids, logits, plan, generation_config, streamer) -> torch.Tensor:

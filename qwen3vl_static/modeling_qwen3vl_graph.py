@@ -235,7 +235,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         model_kwargs[CACHE_KWARG] = cache
 
     def warmup(
-        self, batch_sizes=None, cache_lengths=None, modes=("greedy", "sample"), prompt_lengths=None, image_patches=None
+        self, batch_sizes=None, cache_lengths=None, modes=("greedy", "sample", "sample_top_k"), prompt_lengths=None,
+        image_patches=None,
     ) -> float:
         """Capture the CUDA graphs ahead of time, so no `generate` call waits for a capture.
 

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from qwen3vl_static.decode_qwen3vl_graph import DecodeRunner
-from qwen3vl_static.loops_qwen3vl_graph import MAX_EOS_IDS, device_plan, sample_tokens
+from qwen3vl_static.loops_qwen3vl_graph import MAX_EOS_IDS, TOP_K_CANDIDATES, candidates, device_plan, sample_tokens
 
 VOCAB, DRAWS = 16, 200_000
 SIGNIFICANCE = 1e-3  # of each fit test; the draws are seeded, so a pass is reproducible
@@ -39,9 +39,10 @@ def expected_probabilities(processors):
     return processors(None, logits()[None].clone()).softmax(-1)[0].double()
 
 
-def draw(processors, seed=0):
-    """DRAWS tokens from `sample_tokens`, the parameters read from `processors` by `device_plan` and stored per row
-    by `DecodeRunner.set_sampling` (on a stand-in holding the runner's sampling buffers)."""
+def draw(processors, seed=0, top_k_candidates=None):
+    """DRAWS tokens from `sample_tokens` in the plan's mode, the parameters read from `processors` by `device_plan` and
+    stored per row by `DecodeRunner.set_sampling` (on a stand-in holding the runner's sampling buffers).
+    `top_k_candidates`: the "sample_top_k" mode's candidates, if not TOP_K_CANDIDATES (more than this vocabulary)."""
     config = GenerationConfig(do_sample=True)
     plan = device_plan(processors, StoppingCriteriaList([MaxLengthCriteria(max_length=2)]), config)
     assert plan is not None, "the device loop does not take these warpers"
@@ -53,7 +54,10 @@ def draw(processors, seed=0):
     )
     runner.set_sampling(plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"], None)
     torch.manual_seed(seed)
-    return sample_tokens(logits().expand(DRAWS, -1), runner.temperature, runner.top_k, runner.top_p)
+    count = candidates(plan["mode"])
+    if count is not None and top_k_candidates is not None:
+        count = top_k_candidates
+    return sample_tokens(logits().expand(DRAWS, -1), runner.temperature, runner.top_k, runner.top_p, count)
 
 
 def chi_square_quantile(probability, degrees):
@@ -84,6 +88,26 @@ def test_sampler_draws_from_the_warpers_distribution(names):
     tokens = draw(processors)
     assert not torch.bincount(tokens, minlength=VOCAB)[probabilities == 0].any()  # never a token the warpers remove
     assert fits(tokens, probabilities)
+
+
+@pytest.mark.parametrize("names", [names for names in COMBINATIONS if "top_k" in names], ids="+".join)
+def test_top_k_candidates_draw_from_the_warpers_distribution(names):
+    """A top-k within the candidates takes the "sample_top_k" mode, which sorts only the largest scores (here 8 of
+    the 16, for a top-k of 6): the same distribution."""
+    processors = warpers(names)
+    plan = device_plan(processors, StoppingCriteriaList([MaxLengthCriteria(max_length=2)]), GenerationConfig(do_sample=True))
+    assert plan["mode"] == "sample_top_k"
+    probabilities = expected_probabilities(processors)
+    tokens = draw(processors, top_k_candidates=8)
+    assert not torch.bincount(tokens, minlength=VOCAB)[probabilities == 0].any()
+    assert fits(tokens, probabilities)
+
+
+@pytest.mark.parametrize("top_k, mode", [(TOP_K_CANDIDATES, "sample_top_k"), (TOP_K_CANDIDATES + 1, "sample")])
+def test_only_a_top_k_within_the_candidates_takes_them(top_k, mode):
+    processors = LogitsProcessorList([TopKLogitsWarper(top_k)])
+    criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=2)])
+    assert device_plan(processors, criteria, GenerationConfig(do_sample=True))["mode"] == mode
 
 
 def test_fit_rejects_a_wrong_temperature():
