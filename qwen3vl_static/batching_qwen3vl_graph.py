@@ -221,8 +221,11 @@ class GraphBatchingManager:
                 except queue.Empty:
                     break
             free = [row for row, request in enumerate(rows) if request is None]
-            if pending and free:
-                admitted = self._admit([pending.popleft() for _ in range(min(len(free), len(pending)))], free, engine)
+            entering = min(len(free), len(pending))
+            # While requests wait, free rows gather until an eighth of the rows is free (or every waiting request
+            # fits): a `generate` call costs several ms of host work, more than those rows' steps in the meantime.
+            if entering and entering >= max(1, min(cache.rows // 8, len(pending))):
+                admitted = self._admit([pending.popleft() for _ in range(entering)], free, engine)
                 for row, request in admitted.items():
                     rows[row] = request
             active = [row for row, request in enumerate(rows) if request is not None]

@@ -42,7 +42,8 @@ def tiny_pair():
 def new_pair(**settings):
     """A fresh `tiny_pair` (config `settings` on top of its own)."""
     torch.manual_seed(0)
-    ours = Qwen3VLGraphForConditionalGeneration(tiny_config(static_cache_len=160, max_batch_size=4, **settings)).eval()
+    ours = Qwen3VLGraphForConditionalGeneration(tiny_config(**{"static_cache_len": 160, "max_batch_size": 4, **settings}))
+    ours.eval()
     stock = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval()
     stock.load_state_dict(ours.state_dict())
     return ours, stock

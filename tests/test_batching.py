@@ -12,12 +12,13 @@ CASES = [([[chat("image", "What is it?")]], {"images": [image(64, 64)]}), ([[cha
          ([[chat("image", "Describe it.")]], {"images": [image(96, 64)]}), ([[chat("Tell me more about it")]], {})]
 
 
-def requests_and_expected(stock, count, eos_token_id=None):
-    """`count` requests over CASES (max_new_tokens 2, 5, 8, ...) and what stock `generate` gives each alone."""
+def requests_and_expected(stock, count, eos_token_id=None, lengths=None, cases=CASES):
+    """`count` requests over `cases` (max_new_tokens 2, 5, 8, ..., or `lengths`) and what stock `generate` gives each
+    alone."""
     requests, expected = [], []
     for index in range(count):
-        inputs = build(CASES[index % len(CASES)])
-        new_tokens = 2 + 3 * index
+        inputs = build(cases[index % len(cases)])
+        new_tokens = lengths[index] if lengths else 2 + 3 * index
         out = stock.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos_token_id)
         expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
         requests.append({**inputs, "max_new_tokens": new_tokens})
@@ -48,6 +49,21 @@ def test_each_request_generates_as_alone(pair):
     inputs = build(CASES[0])
     assert ours.generate(**inputs, max_new_tokens=6, do_sample=False).tolist() == stock.generate(
         **inputs, max_new_tokens=6, do_sample=False).tolist()
+
+
+def test_free_rows_gather_while_requests_wait():
+    """With more requests waiting than rows free, rows enter an eighth of the rows at a time (here 2 of 16), not one
+    by one as they free up (every step frees one here); each request still generates as alone."""
+    ours, stock = new_pair(max_batch_size=16, steps_per_sync=1)
+    texts = [case for case in CASES if not case[1]]  # one group: text prompts of two lengths
+    requests, expected = requests_and_expected(stock, 24, lengths=[2 + index % 16 for index in range(24)], cases=texts)
+    calls = []
+    generate = ours.generate
+    ours.generate = lambda **inputs: calls.append(inputs["input_ids"].shape[0]) or generate(**inputs)
+    results = ours.generate_batch(requests, progress_bar=False)
+    del ours.generate
+    assert [result.generated_tokens for result in results.values()] == expected
+    assert calls[0] == 16 and sum(calls) == 24 and min(calls[:-1]) >= 2
 
 
 def test_rows_stop_at_their_own_eos():
