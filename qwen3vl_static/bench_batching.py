@@ -96,10 +96,10 @@ def stock_continuous(stock, prompts, lengths) -> dict:
 def warm_graphs(model) -> None:
     """Capture ahead the graphs the runs meet: decode steps of any number of rows at every KV length, prefills of the
     groups that enter together (batch buckets up to 8 rows fit the prefill graph budget), the vision tower of the
-    groups' images (8 exceed `vision_graph_patches`: they run eagerly)."""
+    groups' images (one image per request)."""
     patches = (448 // model.config.vision_config.patch_size) ** 2  # image_prompt's 448x448 image
     model.warmup(batch_sizes=list(range(1, BATCHING_SLOTS + 1)), modes=("greedy",), prompt_lengths=[PROMPT_TOKENS],
-                 image_patches=[patches * images for images in (1, 2, 4)])
+                 image_patches=[patches])
 
 
 def batching(args, stock, settings, generator) -> list:

@@ -44,15 +44,15 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             Largest prompt (batch bucket x token bucket, in tokens) whose language-model prefill is padded to
             power-of-two token buckets (from 16) and replayed as a CUDA graph; larger prompts run the same prefill
             eagerly at their exact size. 0 turns prefill graphs off.
-        vision_graph_patches (`int`, defaults to 4096):
-            Largest vision input (all images and videos of one call, in patches) that is replayed as a CUDA graph:
-            a single image at its exact size (no mask), several padded to a patch bucket (four per octave from
-            256: 256, 320, 384, 448, 512, 640, ...; at most 25% padding). Larger inputs run eagerly at their exact
-            size. A 448x448 image has 784 patches, a 1024x1024 one 4096. 0 turns vision graphs off. Must be a
-            multiple of `spatial_merge_size**2`.
+        vision_graph_patches (`int`, defaults to 8192):
+            Most patches one vision CUDA graph computes. A call's images and video frames run in chunks of one size
+            (a graph per number of images and size, captured on first use, no padding, attention within each image
+            or frame only); a size's images beyond this many patches split into several chunks, and one image or
+            frame above it runs eagerly. A 448x448 image has 784 patches, a 1024x1024 one 4096. 0 turns vision
+            graphs off. Must be a multiple of `spatial_merge_size**2`.
         vision_table_cache_size (`int`, defaults to 16):
-            Image sizes whose vision position tables (interpolated position embeddings, rotary cos/sin), and
-            single-image vision graphs, are kept for reuse.
+            Image sizes whose vision position tables (interpolated position embeddings, rotary cos/sin) and vision
+            graphs are kept for reuse.
         patch_embed_mode (`str`, defaults to `"gemm"`):
             How the vision patch embedding runs: `"gemm"` (the stride-equals-kernel Conv3d as one matrix product on
             the same weights), `"conv3d"` (stock) or `"channels_last_3d"` (Conv3d in channels-last-3d layout).
@@ -74,7 +74,7 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     graph_cache_lengths: list[int] | None = None
     steps_per_sync: int = 8
     prefill_graph_tokens: int = 2048
-    vision_graph_patches: int = 4096
+    vision_graph_patches: int = 8192
     vision_table_cache_size: int = 16
     patch_embed_mode: str = "gemm"
     allow_tf32: bool = False
@@ -138,25 +138,17 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             return []
         return _buckets(None, 16, self.prefill_graph_tokens, "prompt buckets", "prefill_graph_tokens")
 
-    def patch_buckets(self) -> list[int]:
-        """Sorted vision patch counts that get a graph (empty when vision graphs are off)."""
-        if not self.vision_graph_patches:
-            return []
-        # Finer than powers of two: padding costs vision matmul and attention time in proportion.
-        return _buckets(None, 256, self.vision_graph_patches, "patch buckets", "vision_graph_patches", per_octave=4)
 
-
-def _buckets(chosen, start, top, name, top_name, per_octave: int = 1) -> list[int]:
+def _buckets(chosen, start, top, name, top_name) -> list[int]:
     if top < 1:
         raise ValueError(f"{top_name} must be positive, got {top}")
     if chosen is None:
-        # From `start` below `top`, `per_octave` evenly spaced sizes per doubling (powers of two by default), then
-        # `top` itself: every size up to `top` has a bucket.
+        # Powers of two from `start` below `top`, then `top` itself: every size up to `top` has a bucket.
         chosen = []
-        octave = start
-        while octave < top:
-            chosen += [size for size in range(octave, 2 * octave, octave // per_octave) if size < top]
-            octave *= 2
+        size = start
+        while size < top:
+            chosen.append(size)
+            size *= 2
     sizes = sorted({int(size) for size in chosen} | {top})
     if sizes[0] < 1 or sizes[-1] > top:
         raise ValueError(f"{name}={chosen} must lie between 1 and {top_name}={top}")

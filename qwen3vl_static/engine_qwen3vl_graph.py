@@ -49,7 +49,7 @@ class GraphEngine:
         )
         vision_weight = visual.patch_embed.proj.weight
         vision_ops = make_ops(vision_weight.device, vision_weight.dtype, config.use_triton_kernels, self.tuner)
-        self.vision = VisionRunner(visual, vision_ops, config.patch_buckets(), config.vision_table_cache_size,
+        self.vision = VisionRunner(visual, vision_ops, config.vision_graph_patches, config.vision_table_cache_size,
                                    self.capturer, graphs, bucketed)
         visual.runner = self.vision  # every caller of the tower gets the runner
 
@@ -75,7 +75,7 @@ class GraphEngine:
         batch_sizes = batch_sizes or decode.batch_buckets
         pending = [(decode, key) for key in decode.warmup_keys(batch_sizes, cache_lengths or decode.cache_buckets, modes)]
         pending += [(prefill, key) for key in prefill.warmup_keys(batch_sizes, prompt_lengths or prefill.token_buckets)]
-        pending += [(vision, key) for key in vision.warmup_keys(image_patches)]
+        pending += [(vision, key) for key in vision.warmup_keys(image_patches, sorted({1, *batch_sizes}))]
         pending = [(runner, key) for runner, key in pending if runner.use_graphs and key not in runner.graphs]
         if not decode.use_graphs:
             return {}

@@ -243,12 +243,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         - decode: every (batch size, `cache_lengths` = prompt + new tokens, mode) combination;
         - prefill: every (batch size, `prompt_lengths`) combination within `prefill_graph_tokens` (batches of
           several rows both unpadded and padded);
-        - vision: every `image_patches` count (all images of one call; a 448x448 image has 784 patches) within
-          `vision_graph_patches`: a single image's graph at exactly that count, and the padded bucket graph for
-          several images. By default every bucket (a single image's own graph is then captured on first use).
-        Each other size is rounded up to its bucket, and each list defaults to every configured bucket. Returns the
-        time taken in seconds (0 where graphs are not used: CPU, or `use_cuda_graphs=False`); `warmup_report` splits
-        it into compiling the kernels ahead and capturing.
+        - vision: images of each `image_patches` count (per image; a 448x448 image has 784 patches), one per call
+          and one per row of each batch size, in the chunks of at most `vision_graph_patches` that such calls run
+          as. None by default (each (number of images, image size) is then captured on first use).
+        Each other size is rounded up to its bucket, and each other list defaults to every configured bucket.
+        Returns the time taken in seconds (0 where graphs are not used: CPU, or `use_cuda_graphs=False`);
+        `warmup_report` splits it into compiling the kernels ahead and capturing.
         """
         with self._generate_lock, self.backend_flags(), torch.no_grad():
             self.warmup_report = self.graph_engine().warmup(batch_sizes, cache_lengths, modes, prompt_lengths,

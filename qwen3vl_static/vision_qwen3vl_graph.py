@@ -3,24 +3,25 @@
 - The patch embedding is a Conv3d whose stride equals its kernel, i.e. one matrix product of the flattened
   patches `(N, C*T*P*P)` with the flattened kernel.
 - The stock sdpa vision attention splits the sequence per image with `lengths.tolist()`: a host sync in each
-  of the 24 blocks. The runner's attention runs one image (one segment) as one SDPA call, and several segments as
-  one call with a block-diagonal mask, built once per vision forward and shared by every block.
+  of the 24 blocks, and one SDPA call per image. The runner groups a call's segments (images, video frames) by
+  size into chunks (`chunks_of`): the segments of a chunk have one length, so its attention is one batched SDPA
+  call over `(segments, heads, length, head_dim)` views, with no mask and no padding.
 - `Qwen3VLGraphVisionModel` is the stock tower whose forward hands over to the model's `VisionRunner` once
   the model's engine attached one. The runner keeps each image size's position tables, and on CUDA
-  replays the tower as a CUDA graph. A single image (one segment) runs at its exact patch count with no mask:
-  one graph per image size, captured on first use, the `table_cache_size` most recent sizes kept. Several
-  images or frames are padded to a patch-count bucket: padding patches form a segment of their own in the
-  block-diagonal mask, so real patches never see them. (On an H200, a 448x448 image took 1.99 ms at its exact
-  size against 2.32 ms padded to the 896 bucket with the mask.)
+  replays each chunk as a CUDA graph of its `(segments, length)`, captured on first use; the graphs of the
+  `table_cache_size` most recently used lengths are kept. A size's segments beyond `vision_graph_patches` split
+  evenly into several chunks; a chunk's results are copied back to its segments' places in the call.
   Every caller of the tower (generate's pre-encoding on 5.2x, the stock forward, `get_image_features`) gets
-  the fast path (with grad disabled; training, and calls recording attentions or hidden states, get the stock tower). `generate` also starts a call's images on the
-  side stream as it begins (`encode_ahead`, calls without videos), so the tower runs while transformers prepares the
-  inputs; the call's first encode takes that result.
+  the fast path (with grad disabled; training, and calls recording attentions or hidden states, get the stock
+  tower). `generate` also starts a call's images on the side stream as it begins (`encode_ahead`, calls of one
+  chunk without videos), so the tower runs while transformers prepares the inputs; the call's first encode takes
+  that result.
 - The runner's blocks fuse each residual add with the LayerNorm after it, q/k rotary in one kernel, and (CUDA) the
   MLP's GELU with its first projection, on the stock parameters.
 """
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel, Q
 
 from .compat_qwen3vl_graph import vision_output, vision_tables
 from .fp8_qwen3vl_graph import linear_weight
-from .runner_qwen3vl_graph import GraphRunner, bucket_of
+from .runner_qwen3vl_graph import GraphRunner
 
 
 class Qwen3VLGraphPatchEmbed(Qwen3VLVisionPatchEmbed):
@@ -50,15 +51,58 @@ class Qwen3VLGraphPatchEmbed(Qwen3VLVisionPatchEmbed):
         return out.reshape(-1, self.embed_dim)
 
 
-# Above this many patches a block-diagonal mask (length^2 booleans, and attention over all pairs) costs more than
-# the stock per-segment split's host syncs save, e.g. for long videos (one segment per frame).
-MAX_MASKED_LENGTH = 8192
+class Segment(NamedTuple):
+    """One attention segment of a vision call: an image, or one frame of a video."""
+    start: int  # its first patch among the call's patches
+    length: int  # its patches
+    grid: int  # the index of its image or video in the call
+    frame: int  # its frame in that video (0 for an image)
 
 
-def block_diagonal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """`(length, length)` booleans: patches attend within their own segment of `cu_seqlens`."""
-    segment = torch.searchsorted(cu_seqlens, torch.arange(length, device=cu_seqlens.device), right=True)
-    return segment[:, None] == segment[None, :]
+def segments_of(grids) -> list:
+    """The call's segments, in patch order, for its `grids` `[(t, h, w)]`."""
+    segments, start = [], 0
+    for index, (t, h, w) in enumerate(grids):
+        for frame in range(t):
+            segments.append(Segment(start, h * w, index, frame))
+            start += h * w
+    return segments
+
+
+def chunks_of(segments, limit) -> list:
+    """The call's segments grouped by length (in order of first appearance, each group in patch order), and each group
+    split evenly into chunks of at most `limit` patches (a segment longer than that alone); `limit` None: no split.
+    A chunk runs as one tower call: segments of one length attend as one batched SDPA call, with no mask."""
+    groups = {}
+    for segment in segments:
+        groups.setdefault(segment.length, []).append(segment)
+    chunks = []
+    for length, members in groups.items():
+        most = max(1, limit // length) if limit else len(members)
+        count = -(-len(members) // most)  # chunks
+        size = -(-len(members) // count)  # segments per chunk, as even as the count allows
+        chunks += [members[start : start + size] for start in range(0, len(members), size)]
+    return chunks
+
+
+def runs_of(chunk) -> list:
+    """`(first patch in the call, first row in the chunk, patches)` of each run of the chunk's segments that lie next
+    to each other among the call's patches: one copy each."""
+    runs, row = [], 0
+    for segment in chunk:
+        if runs and runs[-1][0] + runs[-1][2] == segment.start:
+            start, first, patches = runs[-1]
+            runs[-1] = (start, first, patches + segment.length)
+        else:
+            runs.append((segment.start, row, segment.length))
+        row += segment.length
+    return runs
+
+
+def cloned(outputs):
+    """Copies of a tower's `(hidden, merged, deepstack)` (results in the buffers, which the next call reuses)."""
+    hidden, merged, deepstack = outputs
+    return hidden.clone(), merged.clone(), [part.clone() for part in deepstack]
 
 
 class Qwen3VLGraphVisionModel(Qwen3VLVisionModel):
@@ -84,16 +128,19 @@ class Qwen3VLGraphVisionModel(Qwen3VLVisionModel):
 
 
 class VisionRunner(GraphRunner):
-    """Images or videos -> the tower's last hidden states, merged visual tokens and DeepStack features."""
+    """Images or videos -> the tower's last hidden states, merged visual tokens and DeepStack features.
 
-    def __init__(
-        self, visual, ops, patch_buckets, table_cache_size: int, capturer, use_graphs: bool, bucketed: bool,
-    ):
+    A call's segments (images, video frames) run in chunks of one segment length (`chunks_of`), a graph per
+    `(segments, length)` key: no padding, no mask, and attention over each segment's own patches only."""
+
+    def __init__(self, visual, ops, graph_patches: int, table_cache_size: int, capturer, use_graphs: bool,
+                 bucketed: bool):
         config = visual.config
         self.sdpa = config._attn_implementation == "sdpa"
-        # As for prefill, padded to buckets or run at exact sizes. The padded mask needs the sdpa attention (other
-        # implementations split by `cu_seqlens`, which padding would break).
-        bucketed = bucketed and bool(patch_buckets) and self.sdpa
+        # As for prefill, on the graphs' shapes (chunks of at most `graph_patches`, computed in the buffers) or
+        # eagerly at the call's own. The chunks' batched attention needs sdpa (other implementations split the call
+        # by `cu_seqlens` in each block).
+        bucketed = bucketed and bool(graph_patches) and self.sdpa
         weight = visual.patch_embed.proj.weight
         super().__init__(capturer, use_graphs, can_use_graphs=bucketed and weight.is_cuda)
         # The tower's parts the runner computes with (the tower itself only hands calls over to the runner).
@@ -106,13 +153,12 @@ class VisionRunner(GraphRunner):
         self.weight_address = weight.data_ptr()
         self.gelu_tanh = config.hidden_act == "gelu_pytorch_tanh"  # the MLP activation that has a fused form
         self.unit = config.spatial_merge_size**2  # patches per merged token
-        self.buckets = patch_buckets
-        self.bucketed = bucketed
-        self.graphs = OrderedDict()  # (patches, masked) -> graph; single-image ones least recently used first
+        self.limit = graph_patches if bucketed else None  # the chunks' patches at most
+        self.graphs = OrderedDict()  # (segments, length) -> graph, least recently used length first
         self.tables = OrderedDict()  # (t, h, w) -> tables, least recently used first
         self.tables_weight = None  # (address, version) of the position embedding the tables were computed from
         self.table_cache_size = table_cache_size
-        patches = patch_buckets[-1] if self.bucketed else 0
+        patches = self.limit or 0
         head_dim = config.hidden_size // config.num_heads
         merged = patches // self.unit
 
@@ -123,7 +169,6 @@ class VisionRunner(GraphRunner):
         self.positions = buffer(patches, config.hidden_size)
         self.cos = buffer(patches, head_dim, dtype=torch.float32)
         self.sin = buffer(patches, head_dim, dtype=torch.float32)
-        self.segments = buffer(patches, dtype=torch.long)
         self.hidden = buffer(patches, config.hidden_size)
         self.merged = buffer(merged, config.out_hidden_size)
         self.deepstack = buffer(len(self.deepstack_mergers), merged, config.out_hidden_size)
@@ -134,8 +179,8 @@ class VisionRunner(GraphRunner):
         return self.patch_embed.proj.weight.data_ptr() == self.weight_address
 
     def table(self, grid: tuple):
-        """Position embeddings, rotary cos/sin and frame index `(t*h*w,)` of one image size, computed once per
-        value of the position embedding, without autograd state (a cached table outlives the call that made it)."""
+        """Position embeddings and rotary cos/sin of one image size `(t*h*w, ...)`, computed once per value of the
+        position embedding, without autograd state (a cached table outlives the call that made it)."""
         weight = self.pos_embed.weight
         # The version counter moves with every in-place update (an optimizer step, `load_state_dict`); inference
         # tensors have none, and cannot be updated outside inference mode.
@@ -146,26 +191,24 @@ class VisionRunner(GraphRunner):
         if grid in self.tables:
             self.tables.move_to_end(grid)
             return self.tables[grid]
-        device = self.positions.device
         with torch.no_grad():
-            positions, cos, sin = self.tables_of(torch.tensor([grid], device=device))
-        t, h, w = grid
-        frames = torch.arange(t, device=device).repeat_interleave(h * w)
-        self.tables[grid] = entry = (positions, cos, sin, frames)
+            self.tables[grid] = entry = self.tables_of(torch.tensor([grid], device=self.positions.device))
         if len(self.tables) > self.table_cache_size:
             self.tables.popitem(last=False)
         return entry
 
-    def bucket(self, patches: int):
-        return bucket_of(self.buckets, patches) if self.bucketed else None
+    def chunks(self, grids) -> list:
+        return chunks_of(segments_of(grids), self.limit)
 
-    def shape(self, patches: int, segments: int):
-        """(patches computed, masked) of a call: a single segment at its exact size without a mask, several
-        padded to their bucket with the block-diagonal mask; None when the call runs eagerly at its exact size."""
-        bucket = self.bucket(patches)
-        if bucket is None:
-            return None
-        return (patches, False) if segments == 1 else (bucket, True)
+    def key(self, chunk):
+        """The graph key `(segments, length)` of a chunk in the buffers, or None where it runs eagerly at its own
+        size (no buffers: not on the graphs' shapes, or one segment longer than `graph_patches`)."""
+        length = chunk[0].length
+        return (len(chunk), length) if self.limit is not None and len(chunk) * length <= self.limit else None
+
+    def keys(self, grids) -> list:
+        """The graph key (or None: eager) of each chunk a call of `grids` `[(t, h, w)]` runs as."""
+        return [self.key(chunk) for chunk in self.chunks(grids)]
 
     @torch.no_grad()  # the buffers and graphs outlive the call: no autograd state in them
     def encode(self, pixel_values, grid_thw):
@@ -175,26 +218,51 @@ class VisionRunner(GraphRunner):
         patches = pixel_values.shape[0]
         ahead = self.join_ahead()
         if ahead is not None and ahead[:2] == (grids, tuple(pixel_values.shape)):
-            return self.outputs(patches)
+            return cloned(self.outputs(patches))
         if patches != sum(t * h * w for t, h, w in grids):
             raise ValueError(
                 f"The pixel values hold {patches} patches but grid_thw {grids} describes "
                 f"{sum(t * h * w for t, h, w in grids)}."
             )
         tables = [self.table(grid) for grid in grids]
-        shape = self.shape(patches, sum(t for t, _, _ in grids))
-        if shape is None:
-            lengths = [h * w for t, h, w in grids for _ in range(t)]  # one attention segment per frame
-            cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(pixel_values.device)
-            positions, cos, sin, _ = (torch.cat(parts) for parts in zip(*tables))
-            pixels = pixel_values.to(self.dtype)
-            if not self.sdpa or (len(lengths) > 1 and patches > MAX_MASKED_LENGTH):
-                return self.tower(pixels, positions, cos, sin, None, cu_seqlens)
-            mask = block_diagonal_mask(cu_seqlens, patches) if len(lengths) > 1 else None
-            return self.tower(pixels, positions, cos, sin, mask)
-        self.load(pixel_values, grids, tables, shape)
-        self.execute(shape)
-        return self.outputs(patches)
+        if not self.sdpa:  # the stock attention, split by segment
+            lengths = [h * w for t, h, w in grids for _ in range(t)]
+            cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            positions, cos, sin = (torch.cat(parts) for parts in zip(*tables))
+            return self.tower(pixel_values.to(self.dtype), positions, cos, sin, cu_seqlens=cu_seqlens.to(cos.device))
+        chunks = self.chunks(grids)
+        if len(chunks) == 1:  # one image, or images and frames of one size: in order, nothing to gather
+            outputs = self.run(pixel_values, tables, chunks[0])
+            return outputs if self.key(chunks[0]) is None else cloned(outputs)
+        unit = self.unit
+        outputs = (self.hidden.new_empty(patches, self.hidden.shape[1]),
+                   self.merged.new_empty(patches // unit, self.merged.shape[1]),
+                   [self.merged.new_empty(patches // unit, self.merged.shape[1]) for _ in self.deepstack_mergers])
+        for chunk in chunks:
+            hidden, merged, deepstack = self.run(pixel_values, tables, chunk)
+            for start, row, length in runs_of(chunk):
+                outputs[0][start : start + length] = hidden[row : row + length]
+                for output, result in zip((outputs[1], *outputs[2]), (merged, *deepstack)):
+                    output[start // unit : (start + length) // unit] = result[row // unit : (row + length) // unit]
+        return outputs
+
+    def run(self, pixel_values, tables, chunk):
+        """The tower over one chunk of the call's segments: in the buffers (a graph, or its step eagerly), or eagerly
+        at the chunk's size. Returns views of the buffers, or new tensors."""
+        key = self.key(chunk)
+        if key is None:
+            pixels, positions, cos, sin = (torch.cat(parts) for parts in self.parts(pixel_values, tables, chunk))
+            return self.tower(pixels.to(self.dtype), positions, cos, sin, segments=len(chunk))
+        self.load(pixel_values, tables, chunk)
+        self.execute(key)
+        return self.outputs(key[0] * key[1])
+
+    def parts(self, pixel_values, tables, chunk):
+        """A chunk's pixels, position embeddings, cos and sin, as lists of slices to join in chunk order."""
+        pixels = [pixel_values[start : start + length] for start, _, length in runs_of(chunk)]
+        rows = [(tables[segment.grid], slice(segment.frame * segment.length, (segment.frame + 1) * segment.length))
+                for segment in chunk]
+        return [pixels] + [[table[part][where] for table, where in rows] for part in range(3)]
 
     @torch.no_grad()
     def encode_ahead(self, pixel_values, grid_thw, videos: bool = False) -> None:
@@ -202,7 +270,7 @@ class VisionRunner(GraphRunner):
         while `generate` prepares its inputs: that is host work, with host reads that would wait for a tower queued
         on the default stream. The next `encode` takes the result when it gets the same grids and pixel shape (the
         call's images are encoded first, in every supported release), else it waits for it and encodes anew.
-        Only the replay of an already captured graph runs ahead; anything else is left to `encode`.
+        Only a call that is one chunk, whose graph is already captured, runs ahead; anything else is left to `encode`.
         A call that also has `videos` does not run ahead: the tower cannot tell an image from a video, so a video of
         the same grid and pixel shape encoded first would take the images' features."""
         tensors = isinstance(pixel_values, torch.Tensor) and isinstance(grid_thw, torch.Tensor)
@@ -211,15 +279,17 @@ class VisionRunner(GraphRunner):
         ):
             return
         grids = [tuple(grid) for grid in grid_thw.tolist()]  # the default stream is idle: no wait
-        shape = self.shape(pixel_values.shape[0], sum(t for t, _, _ in grids))
-        if shape not in self.graphs or pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
+        chunks = self.chunks(grids)
+        if len(chunks) != 1 or self.key(chunks[0]) not in self.graphs or pixel_values.shape[0] != sum(
+            t * h * w for t, h, w in grids
+        ):
             return
         tables = [self.table(grid) for grid in grids]  # on the default stream: cached tables outlive this call
         stream = self.capturer.side_stream()
         stream.wait_stream(torch.cuda.current_stream())  # the pixels, and any graph still running on that stream
         with torch.cuda.stream(stream):
-            self.load(pixel_values, grids, tables, shape)
-            self.execute(shape)
+            self.load(pixel_values, tables, chunks[0])
+            self.execute(self.key(chunks[0]))
             done = torch.cuda.Event()
             done.record()
         # The side stream reads tensors allocated on the default stream, which may be freed before it is done (a
@@ -237,49 +307,33 @@ class VisionRunner(GraphRunner):
             torch.cuda.current_stream().wait_event(ahead[2])
         return ahead
 
-    def load(self, pixel_values, grids, tables, shape) -> None:
-        """The call's pixels and position tables into the buffers of a `shape` step."""
-        (size, masked), patches = shape, pixel_values.shape[0]
-        start, segment = 0, 0
-        for (t, _, _), (positions, cos, sin, frames) in zip(grids, tables):
-            end = start + frames.shape[0]
-            self.positions[start:end] = positions
-            self.cos[start:end] = cos
-            self.sin[start:end] = sin
-            if masked:  # only the mask reads the segments (each launch here delays the graph's)
-                self.segments[start:end] = frames + segment
-            start, segment = end, segment + t
-        if masked:
-            self.segments[patches:size] = -1  # padding: a segment of its own
-        self.pixels[:patches] = pixel_values
+    def load(self, pixel_values, tables, chunk) -> None:
+        """A chunk's pixels and position tables into the buffers (one copy each)."""
+        patches = len(chunk) * chunk[0].length
+        for buffer, parts in zip((self.pixels, self.positions, self.cos, self.sin), self.parts(pixel_values, tables, chunk)):
+            torch.cat(parts, out=buffer[:patches])
 
     def graph(self, key):
         graph = super().graph(key)
         # A graph dropped here may still be running, on either stream (a run ahead is joined on the GPU, not the host):
         # CUDA frees an in-flight executable graph once it completes, and its memory stays in the graphs' pool, which
         # ordinary allocations never get.
-        if not key[1]:  # one graph per image size: keep the most recently used sizes
-            self.graphs.move_to_end(key)
-            singles = [other for other in self.graphs if not other[1]]
-            for other in singles[: max(0, len(singles) - self.table_cache_size)]:
-                del self.graphs[other]
+        self.graphs.move_to_end(key)
+        lengths = list(dict.fromkeys(length for _, length in reversed(self.graphs)))  # most recently used first
+        for other in [other for other in self.graphs if other[1] in lengths[self.table_cache_size :]]:
+            del self.graphs[other]
         return graph
 
     def outputs(self, patches: int):
+        """The buffers' results for the first `patches` rows (views: the next call overwrites them)."""
         merged = patches // self.unit
-        return self.hidden[:patches].clone(), self.merged[:merged].clone(), [part[:merged].clone() for part in self.deepstack]
+        return self.hidden[:patches], self.merged[:merged], [part[:merged] for part in self.deepstack]
 
-    def step(self, patches: int, masked: bool) -> None:
-        """The tower over the first `patches` buffer rows; `masked`: several segments, or padding (else one image
-        fills them all and attends to all of itself)."""
-        mask = None
-        if masked:
-            segments = self.segments[:patches]
-            # Additive, built once per call: SDPA would convert a boolean mask again in each of the blocks.
-            same = segments[:, None] == segments[None, :]
-            mask = torch.zeros(same.shape, dtype=self.dtype, device=same.device).masked_fill_(~same, float("-inf"))
+    def step(self, segments: int, length: int) -> None:
+        """The tower over the first `segments * length` buffer rows: `segments` images or frames of `length` patches."""
+        patches = segments * length
         hidden, merged, deepstack = self.tower(
-            self.pixels[:patches], self.positions[:patches], self.cos[:patches], self.sin[:patches], mask
+            self.pixels[:patches], self.positions[:patches], self.cos[:patches], self.sin[:patches], segments=segments
         )
         rows = patches // self.unit
         self.hidden[:patches] = hidden
@@ -288,16 +342,16 @@ class VisionRunner(GraphRunner):
             buffer[:rows] = features
 
     def describe(self, key) -> str:
-        patches, masked = key
-        return f"vision ({patches} patches{'' if masked else ', one image'})"
+        segments, length = key
+        return f"vision ({segments} x {length} patches)"
 
-    def tower(self, pixels, positions, cos, sin, mask, cu_seqlens=None):
+    def tower(self, pixels, positions, cos, sin, segments=1, cu_seqlens=None):
         """The stock vision forward after its table lookups: patch embedding, blocks, DeepStack mergers, merger.
-        Returns (last hidden states, merged tokens, DeepStack features). Attention follows `mask` (None: every patch
-        sees every patch); `cu_seqlens` (the segments) is set where the stock attention runs instead (not sdpa, or
-        too many patches for a mask). Each block is the stock block's math with its residual adds fused into the
-        LayerNorm that follows (the next block's `norm1` for the second one). Linears run through the ops on their
-        weights as `linear_weight` gives them (FP8 ones on their FP8 bytes)."""
+        Returns (last hidden states, merged tokens, DeepStack features). Attention is within each of `segments`
+        equal parts of the patches; `cu_seqlens` (the segments) is set where the stock attention runs instead (not
+        sdpa). Each block is the stock block's math with its residual adds fused into the LayerNorm that follows
+        (the next block's `norm1` for the second one). Linears run through the ops on their weights as
+        `linear_weight` gives them (FP8 ones on their FP8 bytes)."""
         ops, blocks = self.ops, self.blocks
 
         def linear(module, x):
@@ -317,8 +371,10 @@ class VisionRunner(GraphRunner):
                 attn_out = attn(x, cu_seqlens=cu_seqlens, position_embeddings=(cos, sin))
             else:  # q/k rotary in one kernel: the stock rotary is a dozen elementwise passes in float32 per block
                 q, k, v = ops.vision_qkv_rope(linear(attn.qkv, x), attn.num_heads, cos, sin)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
-                attn_out = linear(attn.proj, out[0].transpose(0, 1).reshape(x.shape[0], -1))
+                # (1, H, N, D) -> (segments, H, N / segments, D): a batch of segments, views of the same memory
+                q, k, v = (states[0].unflatten(1, (segments, -1)).transpose(0, 1) for states in (q, k, v))
+                out = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling)
+                attn_out = linear(attn.proj, out.transpose(1, 2).reshape(x.shape[0], -1))
             hidden, x = ops.add_layer_norm(hidden, attn_out, norm.weight, norm.bias, norm.eps)
             if self.gelu_tanh:
                 up = ops.linear_gelu_tanh(x, linear_weight(mlp.linear_fc1), mlp.linear_fc1.bias)
@@ -334,11 +390,10 @@ class VisionRunner(GraphRunner):
                 deepstack.append(merge(self.deepstack_mergers[index], hidden))
         return hidden, merge(self.merger, hidden), deepstack
 
-    def warmup_keys(self, patch_counts=None) -> list:
-        """The (patches, masked) graphs for these patch counts, largest first: for each count, its exact size (one
-        image) and its bucket (several images of that many patches in all). Without counts: every bucket (single
-        images of sizes not known in advance get theirs on first use)."""
-        if patch_counts is None:
-            return sorted(((bucket, True) for bucket in self.buckets if self.bucketed), reverse=True)
-        keys = {shape for patches in patch_counts for shape in (self.shape(patches, 1), self.shape(patches, 2)) if shape}
-        return sorted(keys, reverse=True)
+    def warmup_keys(self, image_patches, images_per_call) -> list:
+        """The graphs of calls of `images_per_call` images (each count; a batch's rows with one image each) of each
+        of `image_patches` patches, largest first; none by default (images of sizes not known in advance get theirs
+        on first use)."""
+        keys = {key for patches in image_patches or () for count in images_per_call
+                for key in self.keys([(1, 1, patches)] * count) if key}
+        return sorted(keys, key=lambda key: (key[0] * key[1], key), reverse=True)

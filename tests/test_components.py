@@ -120,7 +120,7 @@ def test_set_cuda_graphs_never_turns_graphs_on_where_they_cannot_run(tiny_pair):
     ours, _ = tiny_pair
     ours.set_cuda_graphs(True)
     assert not any(runner.use_graphs for runner in ours._engine.runners)  # the CPU: no CUDA graphs, and no padded buckets
-    assert not ours._engine.prefill.bucketed and not ours._engine.vision.bucketed
+    assert not ours._engine.prefill.bucketed and ours._engine.vision.limit is None  # no chunks: one call per size
 
 
 def vision_features(model, pixels, grid):
@@ -129,36 +129,21 @@ def vision_features(model, pixels, grid):
     return [merged, *deepstack]
 
 
-def test_vision_tower_matches_stock_with_one_attention_call_per_block(tiny_pair, monkeypatch):
+def test_vision_tower_matches_stock_with_one_attention_call_per_block_and_size(tiny_pair, monkeypatch):
+    """Images of two sizes: one batched SDPA call per block for each size; a video's frames: one per block."""
     ours, stock = tiny_pair
-    model_inputs = build(([[chat("image", "image", "video", "three")]], {"images": [image(64, 64), image(96, 64)],
-                                                                         "video_grids": [(2, 4, 4)]}))
+    model_inputs = build(([[chat("image", "image", "image", "video", "four")]],
+                          {"images": [image(64, 64), image(96, 64), image(64, 64)], "video_grids": [(2, 4, 4)]}))
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
     with torch.no_grad():
-        for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        for pixels, grid, sizes in (("pixel_values", "image_grid_thw", 2), ("pixel_values_videos", "video_grid_thw", 1)):
             calls.clear()
             got = vision_features(ours, model_inputs[pixels], model_inputs[grid])
-            assert len(calls) == len(ours.model.visual.blocks)  # one call per block, however many segments
+            assert len(calls) == sizes * len(ours.model.visual.blocks)
             expected = vision_features(stock, model_inputs[pixels], model_inputs[grid])
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_long_multi_segment_vision_input_keeps_the_stock_split(tiny_pair, monkeypatch):
-    from qwen3vl_static import vision_qwen3vl_graph
-
-    ours, stock = tiny_pair
-    model_inputs = build(([[chat("video", "long")]], {"video_grids": [(3, 4, 4)]}))
-    monkeypatch.setattr(vision_qwen3vl_graph, "MAX_MASKED_LENGTH", 16)  # 48 patches in 3 segments: "long"
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k))
-    with torch.no_grad():
-        got = vision_features(ours, model_inputs["pixel_values_videos"], model_inputs["video_grid_thw"])
-        expected = vision_features(stock, model_inputs["pixel_values_videos"], model_inputs["video_grid_thw"])
-    assert len(calls) == 2 * 3 * len(ours.model.visual.blocks)  # per segment, in both models
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not hasattr(Qwen3VLConfig, "_get_generation_parameters"), reason="transformers 4.57 checks otherwise")

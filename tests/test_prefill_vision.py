@@ -34,25 +34,27 @@ def test_buckets_never_exceed_the_cache(padded_pair):
     # After cached slots, the new tokens' bucket must end within a KV-length bucket (here the cache's 160 slots).
     assert prefill.bucket(1, 50, start=90) == (1, 64, 160) and prefill.bucket(1, 50, start=100) is None
     assert prefill.bucket(1, 129) is None  # longer prompts run at their exact size
-    assert ours._engine.vision.bucket(24) == 128 and ours._engine.vision.bucket(129) is None
 
 
-def test_warmup_keys_cover_padding_and_masks(padded_pair):
-    """Prefill: several rows get the unpadded and the padded graph. Vision: every count its exact-size graph (one
-    image) and its bucket's masked graph (several); counts over the limit none; by default the buckets."""
+def test_warmup_keys_cover_padding_and_chunks(padded_pair):
+    """Prefill: several rows get the unpadded and the padded graph. Vision: a graph per count of images (1 and each
+    batch size) of each size, as the chunks of at most `vision_graph_patches` (128 here) that the call runs as;
+    an image over the limit none; no sizes, none."""
     ours, _ = padded_pair
     assert ours._engine.prefill.warmup_keys([1, 3], [50]) == [(4, 64, 64, True), (4, 64, 64, False), (1, 64, 64, False)]
     runner = ours._engine.vision
-    assert runner.warmup_keys() == [(128, True)]
-    assert runner.warmup_keys([24]) == [(128, True), (24, False)]
-    assert runner.warmup_keys([24, 128, 200]) == [(128, True), (128, False), (24, False)]
+    assert runner.warmup_keys(None, [1, 4]) == []
+    assert runner.warmup_keys([24], [1, 3]) == [(3, 24), (1, 24)]
+    assert runner.warmup_keys([24, 200], [1, 8]) == [(4, 24), (1, 24)]  # 8 x 24 patches: two chunks of 4
 
 
-def test_patch_buckets_are_four_per_octave():
-    assert tiny_config(vision_graph_patches=4096).patch_buckets() == [
-        256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096]
-    assert tiny_config(vision_graph_patches=1000).patch_buckets()[-3:] == [768, 896, 1000]  # the limit is a bucket
-    assert tiny_config(vision_graph_patches=0).patch_buckets() == []
+def test_vision_chunks_group_one_size_and_split_at_the_limit(padded_pair):
+    runner = padded_pair[0]._engine.vision  # at most 128 patches per graph
+    assert runner.keys([(1, 4, 6)]) == [(1, 24)]
+    assert runner.keys([(1, 4, 4), (1, 4, 6), (1, 4, 4)]) == [(2, 16), (1, 24)]  # by size, first seen first
+    assert runner.keys([(6, 4, 6)]) == [(3, 24), (3, 24)]  # 6 frames of 24 patches: 5 fit, split evenly
+    assert runner.keys([(7, 4, 6)]) == [(4, 24), (3, 24)]
+    assert runner.keys([(1, 12, 12)]) == [None]  # one image over the limit: eager, at its size
 
 
 @pytest.mark.parametrize(
@@ -69,15 +71,35 @@ def test_padded_prefill_and_vision_generate_like_stock(padded_pair, case):
     torch.testing.assert_close(got.logits[0], expected.logits[0], rtol=1e-4, atol=1e-4)  # the prefill's logits
 
 
-def test_padded_vision_features_equal_stock(padded_pair):
-    """Padding patches (a segment of their own) change nothing: merged and DeepStack features match stock."""
+VISION_CASES = {
+    "two-sizes": ([[chat("image", "and", "image", "image", "compare them")]],
+                  {"images": [image(64, 64), image(32, 64, "blue"), image(64, 64, "green")]}),
+    "video-split": ([[chat("video", "What happens?")]], {"video_grids": [(6, 4, 6)]}),
+    "over-the-limit": ([[chat("image", "What is it?")]], {"images": [image(192, 192)]}),
+}
+
+
+@pytest.mark.parametrize("name", VISION_CASES)
+def test_vision_chunks_equal_stock(padded_pair, name, monkeypatch):
+    """Images of two sizes (two chunks, outputs gathered back in order), a video split into chunks of frames, one
+    image over `vision_graph_patches` (eager): merged and DeepStack features match stock, with one batched SDPA
+    call per block and chunk."""
     ours, stock = padded_pair
-    model_inputs = build(TWO_IMAGES)
-    pixels, grid = model_inputs["pixel_values"], model_inputs["image_grid_thw"]
+    model_inputs = build(VISION_CASES[name])
+    kind = "pixel_values_videos" if name == "video-split" else "pixel_values"
+    pixels, grid = model_inputs[kind], model_inputs["video_grid_thw" if name == "video-split" else "image_grid_thw"]
     runner = ours._engine.vision
-    assert runner.bucket(pixels.shape[0]) > pixels.shape[0]  # really padded
+    chunks = runner.keys([tuple(row) for row in grid.tolist()])
+    assert len(chunks) == {"two-sizes": 2, "video-split": 2, "over-the-limit": 1}[name]
+    assert (None in chunks) == (name == "over-the-limit")
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or sdpa(*a, **k))
     with torch.no_grad():
         got = ours.model.visual(pixels, grid_thw=grid)
+        assert calls == [count or 1 for count, _ in (key or (None, None) for key in chunks)
+                         for _ in ours.model.visual.blocks]
         expected = stock.model.visual(pixels, grid_thw=grid)
     (got_merged, got_deepstack), (merged, deepstack) = vision_features(got), vision_features(expected)
     torch.testing.assert_close(got_merged, merged, rtol=1e-5, atol=1e-5)
@@ -86,26 +108,9 @@ def test_padded_vision_features_equal_stock(padded_pair):
         torch.testing.assert_close(got_layer, layer, rtol=1e-5, atol=1e-5)
 
 
-def test_a_single_image_runs_at_its_exact_size_without_a_mask(padded_pair, monkeypatch):
-    """One image (one segment) needs no padding and no mask: its own size, the same features as stock."""
-    ours, stock = padded_pair
-    model_inputs = build(ONE_IMAGE)
-    pixels, grid = model_inputs["pixel_values"], model_inputs["image_grid_thw"]
-    runner = ours._engine.vision
-    steps = []
-    monkeypatch.setattr(runner, "step", lambda patches, masked, _step=runner.step: steps.append((patches, masked)) or _step(patches, masked))
-    with torch.no_grad():
-        got = vision_features(ours.model.visual(pixels, grid_thw=grid))
-        expected = vision_features(stock.model.visual(pixels, grid_thw=grid))
-    assert steps == [(pixels.shape[0], False)] and runner.bucket(pixels.shape[0]) > pixels.shape[0]
-    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
-    for got_layer, layer in zip(got[1], expected[1], strict=True):
-        torch.testing.assert_close(got_layer, layer, rtol=1e-5, atol=1e-5)
-
-
-def test_single_image_graphs_keep_the_most_recent_sizes(padded_pair, monkeypatch):
-    """One graph per single-image size, at most `vision_table_cache_size` (2 here), least recently used dropped.
-    (A stand-in capturer: graphs need CUDA; the bookkeeping does not.)"""
+def test_vision_graphs_keep_the_most_recent_sizes(padded_pair, monkeypatch):
+    """Graphs of at most `vision_table_cache_size` (2 here) image sizes are kept, every count of a size together,
+    least recently used dropped. (A stand-in capturer: graphs need CUDA; the bookkeeping does not.)"""
     ours, _ = padded_pair
     runner = ours._engine.vision
 
@@ -117,12 +122,14 @@ def test_single_image_graphs_keep_the_most_recent_sizes(padded_pair, monkeypatch
         monkeypatch.setattr(runner, name, value)
     for grid in [(1, 4, 4), (1, 4, 8), (1, 4, 4), (1, 8, 8), (1, 4, 4)]:
         runner.encode(torch.randn(grid[1] * grid[2], runner.pixels.shape[1]), torch.tensor([grid]))
-    assert sorted(runner.graphs) == [(16, False), (64, False)]  # 32 patches: least recently used, dropped
-    runner.encode(torch.randn(48, runner.pixels.shape[1]), torch.tensor([[1, 4, 4], [1, 4, 8]]))  # two images
-    assert sorted(runner.graphs) == [(16, False), (64, False), (128, True)]  # a bucket graph is not a single size
-    monkeypatch.setattr(runner, "table_cache_size", 0)  # no single-image graph kept: each call still runs
+    assert sorted(runner.graphs) == [(1, 16), (1, 64)]  # 32 patches: least recently used, dropped
+    runner.encode(torch.randn(32, runner.pixels.shape[1]), torch.tensor([[1, 4, 4], [1, 4, 4]]))  # two images
+    assert sorted(runner.graphs) == [(1, 16), (1, 64), (2, 16)]
+    runner.encode(torch.randn(32, runner.pixels.shape[1]), torch.tensor([[1, 4, 8]]))
+    assert sorted(runner.graphs) == [(1, 16), (1, 32), (2, 16)]
+    monkeypatch.setattr(runner, "table_cache_size", 0)  # no graph kept: each call still runs
     runner.encode(torch.randn(16, runner.pixels.shape[1]), torch.tensor([[1, 4, 4]]))
-    assert sorted(runner.graphs) == [(128, True)]
+    assert not runner.graphs
 
 
 def test_vision_tables_are_cached_with_a_bound(padded_pair):

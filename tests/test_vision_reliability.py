@@ -119,10 +119,10 @@ def test_no_run_ahead_for_calls_with_videos(pair, monkeypatch):
     tables first, which stops it here before anything CUDA-only.)"""
     ours, _ = pair
     visual = ours.model.visual
-    runner = VisionRunner(visual, ours.graph_engine().ops, ours.config.patch_buckets(), 2, None, use_graphs=True,
+    runner = VisionRunner(visual, ours.graph_engine().ops, ours.config.vision_graph_patches, 2, None, use_graphs=True,
                           bucketed=True)
     runner.use_graphs = True  # graphs need CUDA; the bookkeeping does not
-    runner.graphs[(16, False)] = SimpleNamespace(replay=lambda: None)
+    runner.graphs[(1, 16)] = SimpleNamespace(replay=lambda: None)
 
     class Started(Exception):
         pass

@@ -121,9 +121,9 @@ def main() -> None:
     result["ttft_ms_tower_not_run_ahead"] = best_ms(lambda: timed_generate(ours, image, 1))
     del engine.vision.encode_ahead
     with torch.no_grad():
-        engine.vision.bucketed = False
+        engine.vision.limit, limit = None, engine.vision.limit  # no chunk in the buffers: eager
         result["vision_tower_eager_exact_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
-        engine.vision.bucketed = True
+        engine.vision.limit = limit
         ours.model.visual.patch_embed.mode, saved = "conv3d", engine.vision.graphs
         engine.vision.graphs = type(saved)()  # conv3d graphs of their own, dropped afterwards
         result["vision_tower_conv3d_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
