@@ -234,9 +234,9 @@ def relative_error(got, expected):
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-@pytest.mark.parametrize("sides", [(448,), (448, 224, 448), (448,) * 8], ids=["448", "448+224+448", "8x448"])
+@pytest.mark.parametrize("sides", [(448,), (448, 224, 448), (448,) * 4], ids=["448", "448+224+448", "4x448"])
 def test_vision_features_and_prefill_logits_match_stock(models, sides):
-    """The graphed vision tower (one image; three of two sizes: a chunk per size, gathered back in order; eight of one
+    """The graphed vision tower (one image; three of two sizes: a chunk per size, gathered back in order; four of one
     size: one chunk, batched attention) and graphed prefill, in bf16, are as close to a float32 reference as stock
     bf16 is: "within bf16 tolerance", measured rather than guessed."""
     ours, stock = models
@@ -385,13 +385,14 @@ def test_a_video_never_takes_the_features_of_images_run_ahead(models):
 
 def test_tables_evicted_during_a_run_ahead(models, monkeypatch):
     """With no table slot (`vision_table_cache_size=0`) every table a run-ahead looks up is evicted at once, while the
-    side stream still has to read it: a call with three image sizes, run ahead, gives the tokens of the eager path."""
+    side stream still has to read it (and its graph is dropped as it runs): a call of three images of one size (one
+    chunk), run ahead, gives the tokens of the eager path."""
     ours, _ = models
     runner = ours._engine.vision
+    prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(13), sides=(320, 320, 320))
+    generate(ours, prompt, 8)  # captures the graph of these images
     monkeypatch.setattr(runner, "table_cache_size", 0)
     runner.tables.clear()  # an insertion evicts one entry: the new one, from an empty cache
-    prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(13), sides=(448, 224, 320))
-    generate(ours, prompt, 8)  # captures the bucket graph of these images
     streams = []
     load = runner.load
     monkeypatch.setattr(runner, "load", lambda *args: (streams.append(torch.cuda.current_stream()), load(*args))[1])
