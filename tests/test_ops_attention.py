@@ -3,6 +3,8 @@ reference ops."""
 
 import pytest
 import torch
+
+from qwen3vl_static import ops_attention_qwen3vl_graph
 from ops_checks import (
     DEVICE,
     DTYPES,
@@ -19,11 +21,14 @@ pytestmark = needs_triton
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_len", [64, 160])
-def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtype, kv_len):
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtype, kv_len, tiles, monkeypatch):
     """Decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge) against the reference ops. Every
     slot it must not read (unwritten, the new token's own slot included until it is written) or attend to (left
     padding) holds NaN, so using one poisons the output; only each row's new slot may change. Rows read and write the
-    cache rows they are given (a permutation with a row left out), not their own."""
+    cache rows they are given (a permutation with a row left out), not their own. Programs of 1, 2 and 4 tiles of 64
+    slots (a split past the new token's slot has nothing to read)."""
+    monkeypatch.setattr(ops_attention_qwen3vl_graph, "split_tiles", lambda rows, kv_heads, kv_len: tiles)
     rows, heads, kv_heads, dim, capacity, hidden = 3, 4, 2, 32, 160, 64
     x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
     qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
@@ -58,3 +63,13 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
     for got, expected, before in zip((k, v), (k_ref, v_ref), poisoned):
         assert_close_at_scale(got.transpose(1, 2)[new], expected.transpose(1, 2)[new])
         torch.testing.assert_close(got.transpose(1, 2)[~new], before.transpose(1, 2)[~new], rtol=0, atol=0, equal_nan=True)
+
+
+def test_split_tiles_follow_the_cache_and_batch():
+    """One tile per program for short caches; more for long rows (at most 32 splits each) and large launches (at
+    most 2048 programs); never more tiles than the bucket has."""
+    from qwen3vl_static.ops_attention_qwen3vl_graph import split_tiles
+
+    assert [split_tiles(rows, 8, kv_len) for rows, kv_len in [(1, 1024), (4, 1024), (8, 1024), (1, 2048)]] == [1, 1, 1, 1]
+    assert [split_tiles(rows, 8, kv_len) for rows, kv_len in [(1, 8192), (8, 4096), (64, 512), (8, 8192)]] == [4, 2, 2, 4]
+    assert split_tiles(64, 8, 64) == 1 and split_tiles(4096, 8, 256) == 4
