@@ -288,8 +288,8 @@ def serving(args, ours, stock, single_image_ttft, settings, generator) -> dict:
     device = ours.device
     modes = sampling_modes(args.model)
     prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in SERVING_BATCHES}
-    ours.warmup(batch_sizes=list(SERVING_BATCHES), cache_lengths=[args.context + LONG], modes=("greedy", "sample", "sample_top_k"),
-                prompt_lengths=[args.context], image_patches=[])
+    ours.warmup(batch_sizes=list(SERVING_BATCHES), cache_lengths=[args.context + LONG],
+                modes=("greedy", "sample", "sample_top_k"), prompt_lengths=[args.context], image_patches=[])
     sampling = serving_sampling(ours, stock, prompts, modes)
     batched = image_prompt(ours.config, device, generator, batch=8)
     batch, length = batched["input_ids"].shape

@@ -310,7 +310,8 @@ class VisionRunner(GraphRunner):
     def load(self, pixel_values, tables, chunk) -> None:
         """A chunk's pixels and position tables into the buffers (one copy each)."""
         patches = len(chunk) * chunk[0].length
-        for buffer, parts in zip((self.pixels, self.positions, self.cos, self.sin), self.parts(pixel_values, tables, chunk)):
+        buffers = (self.pixels, self.positions, self.cos, self.sin)
+        for buffer, parts in zip(buffers, self.parts(pixel_values, tables, chunk)):
             torch.cat(parts, out=buffer[:patches])
 
     def graph(self, key):
