@@ -8,7 +8,6 @@ import torch
 
 from conftest import bucketed_pair, build, chat, image, right_padded
 from qwen3vl_static.compat_qwen3vl_graph import vision_features
-from qwen3vl_static.presets import tiny_config
 
 ONE_IMAGE = ([[chat("image", "What is in the picture?")]], {"images": [image(64, 96)]})
 TWO_IMAGES = ([[chat("image", "and", "image", "compare them")]], {"images": [image(64, 64), image(32, 64, "blue")]})

@@ -1,7 +1,8 @@
 """Where continuous batching's time goes (H200): the `bench --batching` rows, then one more continuous run of each
 workload with its stages timed, synchronized, after the same warmup: admissions (`_admit`: `generate` calls through
 vision and prefill into free rows) and decode chunks (issue to collect), with their counts and the mean rows stepped
-per chunk.
+per chunk; within the admissions, the GPU time of the prefills (CUDA events around `PrefillRunner.run`) and the
+tokens they computed (bucket rows x tokens, padding included), to tell the prefills' compute from the rest.
 
 Run: `python bench/probes/batching_probe.py [--no-rows]` (writes $OUT/batching-probe.json, or
 bench/results/batching-probe.json).
@@ -28,15 +29,28 @@ from qwen3vl_static.bench_batching import (
     warm_graphs,
 )
 from qwen3vl_static.decode_qwen3vl_graph import DecodeRunner
+from qwen3vl_static.prefill_qwen3vl_graph import PrefillRunner
 from qwen3vl_static.workloads import build_models, build_ours, generate_exactly_as_asked, image_prompt, text_prompt
 
 
 def timed_stages(model, prompts, lengths) -> dict:
     """One continuous run with `_admit` (each round of admissions) and the decode chunks timed (synchronized: the run
     is slower than untimed), and the `generate` calls of the admissions counted."""
-    stages = {"admit_ms": 0.0, "admissions": 0, "generate_calls": 0, "chunk_ms": 0.0, "chunks": 0, "rows_stepped": 0}
+    stages = {"admit_ms": 0.0, "admissions": 0, "generate_calls": 0, "chunk_ms": 0.0, "chunks": 0, "rows_stepped": 0,
+              "prefill_tokens": 0}
     admit, issue, collect = GraphBatchingManager._admit, DecodeRunner.issue, DecodeRunner.__dict__["collect"]
-    generate = model.generate
+    generate, prefill = model.generate, PrefillRunner.run
+    prefill_events = []
+
+    def timed_prefill(self, input_ids, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = prefill(self, input_ids, *args, **kwargs)
+        end.record()
+        prefill_events.append((start, end))
+        bucket = self.bucket(*input_ids.shape)
+        stages["prefill_tokens"] += bucket[0] * bucket[1] if bucket else input_ids.numel()
+        return result
 
     def counted_generate(**inputs):
         stages["generate_calls"] += 1
@@ -64,11 +78,15 @@ def timed_stages(model, prompts, lengths) -> dict:
 
     GraphBatchingManager._admit, DecodeRunner.issue = timed_admit, timed_issue
     DecodeRunner.collect, model.generate = staticmethod(timed_collect), counted_generate
+    PrefillRunner.run = timed_prefill
     try:
         row, _ = continuous(model, prompts, lengths)
     finally:
         GraphBatchingManager._admit, DecodeRunner.issue, DecodeRunner.collect = admit, issue, collect
+        PrefillRunner.run = prefill
         del model.generate
+    torch.cuda.synchronize()
+    stages["prefill_gpu_ms"] = sum(start.elapsed_time(end) for start, end in prefill_events)
     stages["mean_rows_per_chunk"] = stages.pop("rows_stepped") / max(stages["chunks"], 1)
     return {**row, **stages}
 
