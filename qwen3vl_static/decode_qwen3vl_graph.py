@@ -16,7 +16,7 @@ row's top-k at most `TOP_K_CANDIDATES`: no sort of the whole vocabulary) pick th
 import torch
 
 from .decoder_qwen3vl_graph import decoder_layers
-from .loops_qwen3vl_graph import MAX_EOS_IDS, candidates, sample_tokens
+from .loops_qwen3vl_graph import MAX_EOS_IDS, candidates
 from .runner_qwen3vl_graph import GraphRunner, bucket_of
 
 MODES = ("logits", "greedy", "sample", "sample_top_k")
@@ -185,8 +185,8 @@ class DecodeRunner(GraphRunner):
             return
         tokens = None  # greedy: the argmax, inside finish_step
         if mode != "greedy":
-            tokens = sample_tokens(logits.float(), self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
-                                   candidates(mode))
+            tokens = self.ops.sample(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
+                                     candidates(mode))
         self.ops.finish_step(logits, tokens, self.unfinished[:rows], self.pad_id, self.eos_ids, self.input_ids[:rows],
                              self.out_tokens[:rows], self.out_unfinished[:rows], self.chunk_step, cache_lens, positions)
 

@@ -1,4 +1,4 @@
-"""The decode loops and the in-graph sampler: what runs after prefill until every row stops.
+"""The decode loops: what runs after prefill until every row stops.
 
 - `device_plan` reads transformers' logits processors and stopping criteria and says whether the device loop can
   reproduce them (greedy, or temperature / top-k / top-p in the sampler's order, max length, a few EOS ids);
@@ -19,28 +19,6 @@ MAX_EOS_IDS = 8  # EOS ids the decode step checks in the graph
 # Candidates of the "sample_top_k" mode: rows whose top-k keeps at most this many tokens draw from the largest this
 # many scores (a partial selection) instead of the whole sorted vocabulary, the same distribution.
 TOP_K_CANDIDATES = 64
-
-
-def sample_tokens(logits, temperature, top_k, top_p, candidates: int | None = None):
-    """Temperature, top-k, top-p (transformers' warper semantics, per-row parameters) and a draw, graph-safe.
-
-    Works in descending-sorted space: top-k masks ranks >= k, top-p masks a token once the probability mass
-    ranked strictly above it reaches `top_p`. The draw is argmax(p / Exp(1)) (an exact categorical sample that
-    needs no host sync, unlike torch.multinomial). With `candidates`, only the largest `candidates` scores are
-    sorted: exact when every row's top-k is at most that many (the ranks past it are masked anyway).
-    """
-    scores = logits / temperature[:, None]
-    if candidates is None:
-        sorted_scores, order = scores.sort(dim=-1, descending=True)
-    else:
-        sorted_scores, order = scores.topk(min(candidates, scores.shape[-1]), dim=-1)
-    ranks = torch.arange(sorted_scores.shape[-1], device=scores.device)
-    sorted_scores = sorted_scores.masked_fill(ranks >= top_k[:, None], float("-inf"))
-    probs = sorted_scores.softmax(dim=-1)
-    mass_above = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_above >= top_p[:, None], 0.0)
-    noise = torch.empty_like(probs).exponential_()
-    return order.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
 def device_plan(logits_processor, stopping_criteria, generation_config) -> dict | None:
@@ -91,7 +69,7 @@ def first_tokens(runner, logits, mode: str, rows: slice) -> torch.Tensor:
     sampler and the rows' own parameters."""
     if mode == "greedy":
         return logits.argmax(dim=-1)
-    return sample_tokens(logits, runner.temperature[rows], runner.top_k[rows], runner.top_p[rows], candidates(mode))
+    return runner.ops.sample(logits, runner.temperature[rows], runner.top_k[rows], runner.top_p[rows], candidates(mode))
 
 
 def candidates(mode: str) -> int | None:

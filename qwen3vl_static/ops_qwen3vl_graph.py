@@ -58,6 +58,7 @@ from .ops_rotary_qwen3vl_graph import (
     vision_qkv_rope,
     vision_qkv_rope_reference,
 )
+from .ops_sample_qwen3vl_graph import sample_candidates, sample_sorted, sample_tokens
 from .ops_step_end_qwen3vl_graph import advance, finish_step, finish_step_reference
 from .triton_qwen3vl_graph import compiling_ahead, triton
 from .tuner_qwen3vl_graph import KernelTuner
@@ -83,6 +84,7 @@ class TorchOps:
     silu_mul = staticmethod(silu_mul_reference)
     advance = staticmethod(advance)
     finish_step = staticmethod(finish_step_reference)
+    sample = staticmethod(sample_tokens)
     add_layer_norm = staticmethod(add_layer_norm_reference)
     linear_gelu_tanh = staticmethod(linear_gelu_tanh_reference)
 
@@ -249,6 +251,13 @@ class TritonOps(TorchOps):
         if components is None:
             return super().decode_rotary(rotary_emb, hidden, positions, components)
         return decode_rotary(rotary_emb, hidden, positions, components)
+
+    def sample(self, logits, temperature, top_k, top_p, candidates=None):
+        """`sample_tokens` after the selection in Triton launches: over a few candidates (`sample_candidates`) or the
+        sorted vocabulary (`sample_sorted`)."""
+        if candidates is None:
+            return sample_sorted(logits, temperature, top_k, top_p)
+        return sample_candidates(logits, temperature, top_k, top_p, candidates)
 
     def finish_step(self, logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished,
                     chunk_step, cache_lens, positions):

@@ -8,7 +8,7 @@ from transformers import (
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import build, chat, image
-from qwen3vl_static.loops_qwen3vl_graph import sample_tokens
+from qwen3vl_static.ops_sample_qwen3vl_graph import sample_tokens
 from qwen3vl_static.presets import TINY_IDS, tiny_config_dict, tiny_inputs, tiny_tokenizer
 
 TEXT = [[chat("Describe a cat in one line.")]]

@@ -16,7 +16,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from qwen3vl_static.decode_qwen3vl_graph import DecodeRunner
-from qwen3vl_static.loops_qwen3vl_graph import MAX_EOS_IDS, TOP_K_CANDIDATES, candidates, device_plan, sample_tokens
+from qwen3vl_static.loops_qwen3vl_graph import MAX_EOS_IDS, TOP_K_CANDIDATES, candidates, device_plan
+from qwen3vl_static.ops_sample_qwen3vl_graph import sample_tokens
 
 VOCAB, DRAWS = 16, 200_000
 SIGNIFICANCE = 1e-3  # of each fit test; the draws are seeded, so a pass is reproducible

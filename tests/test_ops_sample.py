@@ -1,0 +1,55 @@
+"""The sampler's Triton launch over a few candidates (ops_sample_qwen3vl_graph.py) against the torch reference: with
+the same seed both draw the same noise, so they must pick the same tokens (the distribution of the reference itself
+is tested against transformers' warpers in test_sampling_distribution.py)."""
+
+import pytest
+import torch
+from ops_checks import DEVICE, DTYPES, Triton, needs_triton, randn
+
+from qwen3vl_static.ops_sample_qwen3vl_graph import sample_sorted, sample_tokens
+
+pytestmark = needs_triton
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_from_candidates_draws_the_reference_tokens(dtype):
+    rows, vocab, candidates = 512, 300, 64
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * randn(rows, vocab, dtype=dtype)
+    temperature = (0.5 + torch.rand(rows, generator=generator)).to(DEVICE)
+    top_k = torch.randint(1, candidates + 1, (rows,), generator=generator).to(DEVICE)
+    top_p = torch.rand(rows, generator=generator).to(DEVICE)
+    top_p[::4] = float("inf")  # no top-p on a quarter of the rows, as the runner stores it
+    torch.manual_seed(1)
+    expected = sample_tokens(logits, temperature, top_k, top_p, candidates)
+    torch.manual_seed(1)
+    got = Triton.sample(logits, temperature, top_k, top_p, candidates)
+    # Only a float32 rounding of the top-p boundary or of a near-tied draw may part them.
+    assert (got == expected).float().mean() >= 0.99
+    ranks = (logits > logits.gather(1, got[:, None])).sum(dim=1)  # how many logits beat each drawn token
+    assert bool((ranks < top_k).all())  # always within its row's top-k
+    assert len(set(got.tolist())) > 50  # drawn, not a constant
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [64, 4096])
+def test_sample_over_the_sorted_vocabulary_draws_the_reference_tokens(dtype, split):
+    """The same over the whole sorted vocabulary (no top-k, or one past the candidates), in splits of 64 ranks (five
+    per row here, the mass above each rank carried across them) or one split."""
+    rows, vocab = 256, 300
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * randn(rows, vocab, dtype=dtype)
+    temperature = (0.5 + torch.rand(rows, generator=generator)).to(DEVICE)
+    top_k = torch.full((rows,), vocab, dtype=torch.long)
+    top_k[::2] = torch.randint(65, vocab, (rows // 2,), generator=generator)
+    top_k = top_k.to(DEVICE)
+    top_p = torch.rand(rows, generator=generator).to(DEVICE)
+    top_p[::4] = float("inf")
+    torch.manual_seed(1)
+    expected = sample_tokens(logits, temperature, top_k, top_p)
+    torch.manual_seed(1)
+    got = sample_sorted(logits, temperature, top_k, top_p, split)
+    assert (got == expected).float().mean() >= 0.99
+    ranks = (logits > logits.gather(1, got[:, None])).sum(dim=1)
+    assert bool((ranks < top_k).all())
+    assert len(set(got.tolist())) > 50
