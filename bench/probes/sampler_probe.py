@@ -1,0 +1,53 @@
+"""What does the in-graph sampler cost, per form? (H200 probe; JSON to $OUT.)
+
+The sampler alone on random bf16 logits of the 2B's vocabulary (151,936) at 1 and 8 rows, Qwen's default settings
+(temperature 0.7, top-k 20, top-p 0.8) and top-p alone: the torch reference (`sample_tokens`) on the logits as the
+step hands them over, the same after `.float()` (the order the step used before: every pass over float32 scores),
+and the Triton forms (`sample_candidates` / `sample_sorted`). Timed as the tuner times a candidate (its own CUDA
+graph between two small kernels, L2 flushed, median of 20). Each form's tokens are checked against the reference's
+with the same seed. Run: python bench/probes/sampler_probe.py
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit("sampler_probe.py needs a CUDA device.")
+
+from qwen3vl_static.loops_qwen3vl_graph import TOP_K_CANDIDATES
+from qwen3vl_static.ops_sample_qwen3vl_graph import sample_candidates, sample_sorted, sample_tokens
+from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
+
+VOCAB = 151_936
+SETTINGS = {"qwen_defaults": (0.7, 20, 0.8), "top_p_only": (0.7, VOCAB, 0.8)}
+
+rows_out = []
+for rows in (1, 8):
+    logits = torch.randn(rows, VOCAB, device="cuda", dtype=torch.bfloat16) * 4
+    for name, (temperature, top_k, top_p) in SETTINGS.items():
+        t = torch.full((rows,), temperature, device="cuda")
+        k = torch.full((rows,), top_k, dtype=torch.long, device="cuda")
+        p = torch.full((rows,), top_p, device="cuda")
+        count = TOP_K_CANDIDATES if top_k <= TOP_K_CANDIDATES else None
+        forms = {
+            "reference": lambda: sample_tokens(logits, t, k, p, count),
+            "reference_float32_scores": lambda: sample_tokens(logits.float(), t, k, p, count),
+            "triton": (lambda: sample_candidates(logits, t, k, p, count)) if count else
+                      (lambda: sample_sorted(logits, t, k, p)),
+        }
+        tokens = {}
+        for form, call in forms.items():
+            torch.manual_seed(0)
+            tokens[form] = call()
+        times = KernelTuner().time_calls(list(forms.values()))
+        row = {"rows": rows, "settings": name, "us": dict(zip(forms, times)),
+               "tokens_equal_reference": {form: bool(torch.equal(got, tokens["reference"])) for form, got in tokens.items()}}
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+out = os.environ.get("OUT", "bench/results")
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "sampler-probe.json"), "w") as file:
+    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows_out}, file, indent=1)
