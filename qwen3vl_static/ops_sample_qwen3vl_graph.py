@@ -52,7 +52,7 @@ if triton is not None:
         probs = tl.where(mass_above >= tl.load(top_p + row), 0.0, probs)
         drawn = probs / tl.load(noise + row * CANDIDATES + ranks, mask=live, other=1.0)
         rank = tl.argmax(drawn, axis=0)  # the first of equal maxima, as torch's argmax
-        tl.store(tokens + row, tl.load(order + row * CANDIDATES + rank))
+        tl.store(tokens + row, tl.load(order + row * CANDIDATES + rank, mask=rank < CANDIDATES, other=0))
 
 
     @triton.jit
@@ -73,10 +73,10 @@ if triton is not None:
         tl.store(sums + row * splits + split, tl.sum(tl.exp(scores - top), axis=0))
 
     @triton.jit
-    def _sorted_draw_kernel(selected, temperature, top_k, top_p, sums, noise, best, best_rank, vocab, stride, splits,
-                            SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    def _sorted_draw_kernel(selected, order, temperature, top_k, top_p, sums, noise, best, best_token, vocab, stride,
+                            splits, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr):
         """Per (row, split): the split's probabilities, the mass ranked above each (the earlier splits' sums plus a
-        scan), top-p's mask and the draw; the split's largest p / noise and its rank."""
+        scan), top-p's mask and the draw; the split's largest p / noise and its token."""
         row, split = tl.program_id(0), tl.program_id(1)
         others = tl.arange(0, SPLITS_PAD)
         parts = tl.load(sums + row * splits + others, mask=others < splits, other=0.0)
@@ -90,7 +90,8 @@ if triton is not None:
         keep = (mass_above < tl.load(top_p + row)) & (ranks < vocab)
         drawn = tl.where(keep, probs / tl.load(noise + row * vocab + ranks, mask=keep, other=1.0), -1.0)
         tl.store(best + row * splits + split, tl.max(drawn, axis=0))
-        tl.store(best_rank + row * splits + split, split * SPLIT + tl.argmax(drawn, axis=0))
+        rank = split * SPLIT + tl.argmax(drawn, axis=0)
+        tl.store(best_token + row * splits + split, tl.load(order + row * stride + rank, mask=rank < vocab, other=0))
 
 
 def sample_sorted(logits, temperature, top_k, top_p, split: int = 4096):
@@ -102,13 +103,14 @@ def sample_sorted(logits, temperature, top_k, top_p, split: int = 4096):
     noise = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device).exponential_()
     splits = triton.cdiv(vocab, split)
     sums = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
-    best, best_rank = torch.empty_like(sums), torch.empty(rows, splits, dtype=torch.long, device=logits.device)
+    best, best_token = torch.empty_like(sums), torch.empty(rows, splits, dtype=torch.long, device=logits.device)
     launch(_sorted_sums_kernel, (rows, splits), selected, temperature, top_k, sums, vocab, selected.stride(0), splits,
            SPLIT=split)
-    launch(_sorted_draw_kernel, (rows, splits), selected, temperature, top_k, top_p, sums, noise, best, best_rank,
-           vocab, selected.stride(0), splits, SPLIT=split, SPLITS_PAD=triton.next_power_of_2(splits))
-    rank = best_rank.gather(1, best.argmax(dim=1, keepdim=True))  # the first of equal maxima, as the reference
-    return order.gather(1, rank).squeeze(1)
+    launch(_sorted_draw_kernel, (rows, splits), selected, order, temperature, top_k, top_p, sums, noise, best,
+           best_token, vocab, selected.stride(0), splits, SPLIT=split, SPLITS_PAD=triton.next_power_of_2(splits))
+    # The first of equal maxima, as the reference. Indexing by an argmax stays in bounds even while compiling ahead
+    # (launches skipped, buffers unwritten), when a rank read back from a buffer would not.
+    return best_token.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
 def sample_candidates(logits, temperature, top_k, top_p, candidates: int):
