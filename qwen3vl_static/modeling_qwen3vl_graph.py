@@ -41,6 +41,7 @@ from .ops_matmul_qwen3vl_graph import skinny_matmul  # noqa: F401
 from .ops_norm_qwen3vl_graph import rms_norm  # noqa: F401
 from .ops_qwen3vl_graph import make_ops  # noqa: F401
 from .ops_rotary_qwen3vl_graph import qk_norm_rope_write  # noqa: F401
+from .ops_sample_qwen3vl_graph import sample_tokens  # noqa: F401
 from .ops_step_end_qwen3vl_graph import finish_step  # noqa: F401
 from .prefill_qwen3vl_graph import PrefillRunner  # noqa: F401
 from .runner_qwen3vl_graph import GraphRunner  # noqa: F401

@@ -10,6 +10,7 @@ import torch
 import transformers
 from safetensors import safe_open
 from transformers import AutoConfig, LlamaConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
+from transformers.dynamic_module_utils import get_relative_imports
 
 from qwen3vl_static import Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, Qwen3VLGraphModel
 from qwen3vl_static.convert import hub_module_files
@@ -92,6 +93,13 @@ def test_saved_folder_is_a_custom_code_repo(ours_folder):
     modules = {path.name: path for path in hub_module_files()}
     assert {path.name for path in ours_folder.glob("*.py")} == modules.keys()
     assert all((ours_folder / name).read_bytes() == path.read_bytes() for name, path in modules.items())
+
+
+def test_modeling_file_imports_every_custom_code_file_itself():
+    """transformers 4.57 copies into its module cache only the files the modeling file imports directly (later
+    releases follow imports recursively): a file reached only through another would be missing there."""
+    modeling, *others = hub_module_files()
+    assert set(get_relative_imports(modeling)) == {path.stem for path in others}
 
 
 def test_from_pretrained_overrides_settings(ours_folder):
