@@ -54,7 +54,6 @@ if triton is not None:
         rank = tl.argmax(drawn, axis=0)  # the first of equal maxima, as torch's argmax
         tl.store(tokens + row, tl.load(order + row * CANDIDATES + rank, mask=rank < CANDIDATES, other=0))
 
-
     @triton.jit
     def _sorted_scores(selected, row, ranks, stride, temperature, top_k, vocab):
         """A row's temperature-scaled sorted logits at `ranks` (-inf past its top-k or the vocabulary) and its

@@ -1,4 +1,4 @@
-"""The sampler's Triton launch over a few candidates (ops_sample_qwen3vl_graph.py) against the torch reference: with
+"""The sampler's Triton launches (ops_sample_qwen3vl_graph.py) against the torch reference: with
 the same seed both draw the same noise, so they must pick the same tokens (the distribution of the reference itself
 is tested against transformers' warpers in test_sampling_distribution.py)."""
 
