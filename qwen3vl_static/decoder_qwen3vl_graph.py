@@ -47,15 +47,19 @@ def fuse_weights(linears):
     return fused
 
 
+_LINEARS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+
 def projections(text_model, lm_head) -> list:
-    """Every linear layer of the language model, lm_head last."""
-    return [linear for layer in text_model.layers
-            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)] + [lm_head]
+    """Every linear layer of the language model, lm_head last. (Every `generate` checks their addresses, so this reads
+    the module dicts directly: nn.Module's attribute lookup made the check cost 0.5 ms for the 2B on a CPU core.)"""
+    return [layer._modules[block]._modules[name] for layer in text_model.layers for block, names in _LINEARS
+            for name in names] + [lm_head]
 
 
 def linear_addresses(text_model, lm_head) -> list:
-    return [linear.weight.data_ptr() for linear in projections(text_model, lm_head)]
+    weights = [linear._parameters.get("weight") for linear in projections(text_model, lm_head)]
+    return [None if weight is None else weight.data_ptr() for weight in weights]
 
 
 class TextWeights:

@@ -59,6 +59,24 @@ class Qwen3VLGraphModel(Qwen3VLModel):
 
     config: Qwen3VLGraphConfig
 
+    # What the stock `get_rope_index` reads, by name in every supported release. 5.x `generate` passes every model
+    # input along (the pixels too): the others stay where they are.
+    _ROPE_INDEX_INPUTS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "attention_mask")
+
+    def get_rope_index(self, input_ids=None, *args, **kwargs):
+        """The stock M-RoPE positions and offsets, computed on host copies of the inputs and returned to their device.
+        Stock loops over rows and images in small tensor ops with host reads, each a kernel launch or a sync on a GPU:
+        it is host work on the way to the first token (0.8 ms of an H200 host's for one image)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.device.type == "cpu":
+            return super().get_rope_index(input_ids, *args, **kwargs)
+
+        def on_host(value):
+            return value.cpu() if isinstance(value, torch.Tensor) else value
+
+        kwargs = {key: on_host(value) if key in self._ROPE_INDEX_INPUTS else value for key, value in kwargs.items()}
+        positions, offsets = super().get_rope_index(input_ids.cpu(), *map(on_host, args), **kwargs)
+        return positions.to(input_ids.device), offsets.to(input_ids.device)
+
 
 class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
     config: Qwen3VLGraphConfig
@@ -66,6 +84,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
     def __init__(self, config: Qwen3VLGraphConfig):
         config.validate_graph_settings()
         super().__init__(config)
+        # The base model class is ours (`get_rope_index`) around the stock instance's own submodules.
+        with torch.device("meta"):
+            model = Qwen3VLGraphModel(config)
+        for name, child in self.model.named_children():
+            setattr(model, name, child)
+        self.model = model
         # The tower class is ours (its forward hands calls to the engine's vision runner) around the stock instance's
         # own submodules; the patch embedding runs the same weights as one matrix product (`patch_embed_mode`).
         with torch.device("meta"):

@@ -250,6 +250,21 @@ def relative_error(got, expected):
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+def test_rope_index_on_host_copies_equals_stock_on_the_gpu(models):
+    ours, stock = models
+    prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(3), sides=(448, 224), batch=3)
+    inputs = {key: value for key, value in prompt.items() if key != "pixel_values"}
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):  # 40 text tokens before each row ...
+        if key in inputs:
+            inputs[key] = torch.cat([torch.full_like(inputs[key][:, :40], key == "attention_mask"), inputs[key]], 1)
+    inputs["attention_mask"][1, :40] = 0  # ... that are left padding in row 1
+    input_ids = inputs.pop("input_ids")
+    ours_positions, ours_offsets = ours.model.get_rope_index(input_ids, **inputs)
+    stock_positions, stock_offsets = stock.model.get_rope_index(input_ids, **inputs)
+    assert ours_positions.device == stock_positions.device and ours_offsets.device == stock_offsets.device
+    assert torch.equal(ours_positions, stock_positions) and torch.equal(ours_offsets, stock_offsets)
+
+
 @pytest.mark.parametrize("sides", [(448,), (448, 224, 448), (448,) * 4], ids=["448", "448+224+448", "4x448"])
 def test_vision_features_and_prefill_logits_match_stock(models, sides):
     """The graphed vision tower (one image; three of two sizes: a chunk per size, gathered back in order; four of one
