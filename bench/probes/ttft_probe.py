@@ -13,9 +13,11 @@ import os
 import pstats
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
 from qwen3vl_static.bench import best_ms, timed_generate
 from qwen3vl_static.workloads import build_models, image_prompt
@@ -52,12 +54,17 @@ def generate_stages(model) -> dict:
 
 
 def host_profile(call, top=20) -> dict:
-    """Host (Python) time of one `call()` by function, the `top` largest by own time, in ms."""
+    """Host (Python) time of one `call()` by function, ms: the `top` largest by own time and by cumulative time."""
     profiler = cProfile.Profile()
     profiler.runcall(call)
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own s, cumulative s, callers)}
-    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
-    return {f"{Path(file).name}:{line}({name}) x{calls}": round(1000 * own, 3) for (file, line, name), (calls, _, own, _, _) in rows}
+
+    def largest(column):
+        rows = sorted(stats.items(), key=lambda item: -item[1][column])[:top]
+        return {f"{Path(file).name}:{line}({name}) x{values[0]}": round(1000 * values[column], 3)
+                for (file, line, name), values in rows}
+
+    return {"own": largest(2), "cumulative": largest(3)}
 
 
 KERNEL_CLASSES = {
@@ -128,6 +135,12 @@ def main() -> None:
         engine.vision.graphs = type(saved)()  # conv3d graphs of their own, dropped afterwards
         result["vision_tower_conv3d_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
         ours.model.visual.patch_embed.mode, engine.vision.graphs = "gemm", saved
+    # The M-RoPE index as `generate` computes it (ours: stock's on host copies of the inputs) and stock's own on the GPU.
+    rope_inputs = {key: value for key, value in image.items() if key not in ("input_ids", "pixel_values")}
+    for name, rope_index in (("ours", ours.model.get_rope_index),
+                             ("stock_on_gpu", partial(Qwen3VLModel.get_rope_index, ours.model))):
+        result[f"rope_index_ms_{name}"] = best_ms(lambda rope_index=rope_index: rope_index(image["input_ids"],
+                                                                                           **rope_inputs))
     result["gpu_profile"] = kernel_breakdown(ours, image)
     result["host_profile_ms"] = host_profile(lambda: timed_generate(ours, image, 1))
     out = Path(os.environ.get("OUT", "bench/results")) / "ttft-probe.json"

@@ -1,0 +1,98 @@
+"""Where the decode step's time goes, kernel by kernel (H200 probe; JSON to $OUT).
+
+The 2B decode step at some batch sizes (default 1 and 8; 512-token prompts), in bf16 and with every text linear
+in Qwen's FP8 format (default both), under torch.profiler: each kernel launch of the decode graphs grouped by (kernel, grid), with its mean duration and the step
+time attributed to it (its end minus the previous kernel's end: under PDL a kernel starts early and waits, so its
+duration overstates it, while the attributed times add up to the step).
+
+Run: python bench/probes/step_kernels_probe.py [--batches 1 8] [--variants bf16 fp8] [--context 512]
+(writes $OUT/step-kernels-probe.json, or bench/results/...).
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit("step_kernels_probe.py needs a CUDA device.")
+
+from qwen3vl_static.bench import LONG, decode_slope, timed_generate
+from qwen3vl_static.fp8_quantize import NOT_CONVERTED, quantize_fp8
+from qwen3vl_static.workloads import build_ours, generate_exactly_as_asked, text_prompt
+
+
+def kernel_rows(model, prompt) -> tuple:
+    """(kernel groups of the decode steps, sorted by attributed time; the attributed ms per step)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        timed_generate(model, prompt, LONG)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profile.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    groups = defaultdict(lambda: {"count": 0, "duration_us": 0.0, "attributed_us": 0.0})
+    previous_end = None
+    for event in kernels:
+        end = event["ts"] + event["dur"]
+        group = groups[(event["name"][:60], str(event["args"].get("grid")))]
+        group["count"] += 1
+        group["duration_us"] += event["dur"]
+        group["attributed_us"] += 0.0 if previous_end is None else max(0.0, end - max(previous_end, event["ts"] - 50))
+        previous_end = end if previous_end is None else max(previous_end, end)
+    steps = LONG - 1
+    rows = [{"kernel": name, "grid": grid, "per_step": group["count"] / steps,
+             "mean_duration_us": group["duration_us"] / group["count"],
+             "attributed_us_per_step": group["attributed_us"] / steps}
+            for (name, grid), group in groups.items() if group["count"] >= steps]
+    rows.sort(key=lambda row: -row["attributed_us_per_step"])
+    return rows, sum(row["attributed_us_per_step"] for row in rows) / 1000
+
+
+def measure(variant: str, batches, context) -> dict:
+    model = build_ours(torch.device("cuda"), torch.bfloat16, max_batch_size=max(batches))
+    if variant == "fp8":
+        quantize_fp8(model, NOT_CONVERTED)
+    generate_exactly_as_asked(model)
+    model.warmup(batch_sizes=list(batches), cache_lengths=[context + LONG], modes=("greedy",))
+    generator = torch.Generator().manual_seed(0)
+    result = {}
+    for batch in batches:
+        prompt = text_prompt(model.config, batch, context, torch.device("cuda"), generator)
+        slope = decode_slope(model, prompt)[0]
+        rows, attributed = kernel_rows(model, prompt)
+        result[f"batch{batch}"] = {"ms_per_step": slope, "attributed_ms_per_step": attributed, "kernels": rows}
+        print(variant, batch, f"{slope:.3f} ms/step", flush=True)
+        for row in rows[:14]:
+            print(f"  {row['attributed_us_per_step']:8.1f} us/step  {row['per_step']:5.1f}x  "
+                  f"{row['mean_duration_us']:7.2f} us  {row['kernel']} {row['grid']}", flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--variants", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"])
+    parser.add_argument("--context", type=int, default=512)
+    args = parser.parse_args()
+    results = {variant: measure(variant, args.batches, args.context) for variant in args.variants}
+    out = Path(os.environ.get("OUT", "bench/results")) / "step-kernels-probe.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "command": "python bench/probes/step_kernels_probe.py " + " ".join(sys.argv[1:]),
+                              "context": args.context, **results},
+                              indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
