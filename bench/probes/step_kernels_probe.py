@@ -1,9 +1,12 @@
 """Where the decode step's time goes, kernel by kernel (H200 probe; JSON to $OUT).
 
 The 2B decode step at some batch sizes (default 1 and 8; 512-token prompts), in bf16 and with every text linear
-in Qwen's FP8 format (default both), under torch.profiler: each kernel launch of the decode graphs grouped by (kernel, grid), with its mean duration and the step
-time attributed to it (its end minus the previous kernel's end: under PDL a kernel starts early and waits, so its
-duration overstates it, while the attributed times add up to the step).
+in Qwen's FP8 format (default both), under torch.profiler: each kernel launch of a `generate` call grouped by
+(kernel, grid), with its mean duration and the step time attributed to it (its end minus the previous kernel's end:
+under PDL a kernel starts early and waits, so its duration overstates it, while the attributed times add up to the
+step). Groups launched fewer times than the
+call's steps are left out; the prefill's own groups launched more often remain (at batch 8, cuBLAS's prefill
+matmuls show up at 1.4 per step).
 
 Run: python bench/probes/step_kernels_probe.py [--batches 1 8] [--variants bf16 fp8] [--context 512]
 (writes $OUT/step-kernels-probe.json, or bench/results/...).
