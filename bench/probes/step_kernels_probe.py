@@ -9,7 +9,8 @@ call's steps are left out; the prefill's own groups launched more often remain (
 matmuls show up at 1.4 per step).
 
 Run: python bench/probes/step_kernels_probe.py [--batches 1 8] [--variants bf16 fp8] [--context 512]
-(writes $OUT/step-kernels-probe.json, or bench/results/...).
+(writes $OUT/step-kernels-probe.json and .png, or bench/results/...). `--plot JSON [JSON ...] --png PATH` draws
+saved runs in one picture (no GPU needed): each step's attributed time by kind of kernel.
 """
 
 import argparse
@@ -22,9 +23,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-
-if not torch.cuda.is_available():
-    sys.exit("step_kernels_probe.py needs a CUDA device.")
 
 from qwen3vl_static.bench import LONG, decode_slope, timed_generate
 from qwen3vl_static.fp8_quantize import NOT_CONVERTED, quantize_fp8
@@ -81,12 +79,80 @@ def measure(variant: str, batches, context) -> dict:
     return result
 
 
+# Kinds of kernel, by name: the first whose words a kernel's name holds. Matmuls launched once a step are the lm_head.
+KINDS = {
+    "attention": ("decode_attention", "merge"),
+    "norms, SwiGLU, split-K sums": ("add_rms_norm", "qk_norm_rope_write_kernel", "silu_mul", "sum_splits",
+                                    "splitKreduce", "decode_rotary"),
+    "projections": ("skinny_matmul", "qkv_norm_rope_write", "nvjet", "gemm", "cutlass"),
+    "step end": ("finish_step",),
+}
+
+
+def kind(row) -> str:
+    name = row["kernel"]
+    found = next((label for label, words in KINDS.items() if any(word in name for word in words)), "other")
+    if abs(row["per_step"] - round(row["per_step"])) > 0.05:  # launched by the prefill, not every step
+        return "prefill (counted in)"
+    if found == "projections" and round(row["per_step"]) == 1:  # (the prefill's own lm_head shares its group)
+        return "lm_head"
+    return found
+
+
+def plot(runs: dict, path) -> None:
+    """Horizontal bars, one per run `{label: (kernel rows, ms/step)}`: the attributed ms/step of each kind of kernel,
+    and the measured ms/step as a tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(runs)
+    kinds = ["projections", "lm_head", "attention", "norms, SwiGLU, split-K sums", "step end", "other",
+             "prefill (counted in)"]
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(labels) + 1.5))
+    left = [0.0] * len(labels)
+    for name in kinds:
+        widths = [sum(row["attributed_us_per_step"] for row in runs[label][0] if kind(row) == name) / 1000
+                  for label in labels]
+        if any(widths):
+            ax.barh(labels, widths, left=left, label=name)
+            left = [a + b for a, b in zip(left, widths)]
+    ax.scatter([runs[label][1] for label in labels], labels, marker="|", s=400, color="black", zorder=3,
+               label="measured ms/step (slope)")
+    ax.invert_yaxis()
+    ax.set(xlabel="ms per decode step, attributed to each kernel (its end minus the previous kernel's end)",
+           title="Qwen3-VL-2B decode step by kind of kernel (H200)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def saved_runs(paths) -> dict:
+    """`plot`'s runs from saved JSONs: one per variant and batch size."""
+    runs = {}
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        for variant in ("bf16", "fp8"):
+            for batch, result in saved.get(variant, {}).items():
+                label = f"{'FP8' if variant == 'fp8' else 'bf16'}, batch {batch.removeprefix('batch')}"
+                runs[label] = (result["kernels"], result["ms_per_step"])
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--variants", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"])
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--plot", nargs="+", metavar="JSON", help="draw these saved runs instead of measuring")
+    parser.add_argument("--png", default="step-kernels.png", help="where --plot writes its picture")
     args = parser.parse_args()
+    if args.plot:
+        plot(saved_runs(args.plot), args.png)
+        print(f"wrote {args.png}")
+        return
+    if not torch.cuda.is_available():
+        sys.exit("step_kernels_probe.py measures on a CUDA device (--plot draws saved runs anywhere).")
     results = {variant: measure(variant, args.batches, args.context) for variant in args.variants}
     out = Path(os.environ.get("OUT", "bench/results")) / "step-kernels-probe.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +160,8 @@ def main() -> None:
                               "command": "python bench/probes/step_kernels_probe.py " + " ".join(sys.argv[1:]),
                               "context": args.context, **results},
                               indent=1))
-    print(f"wrote {out}")
+    plot(saved_runs([out]), out.with_suffix(".png"))
+    print(f"wrote {out} and its .png")
 
 
 if __name__ == "__main__":
