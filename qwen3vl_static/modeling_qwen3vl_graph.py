@@ -66,7 +66,7 @@ class Qwen3VLGraphModel(Qwen3VLModel):
     def get_rope_index(self, input_ids=None, *args, **kwargs):
         """The stock M-RoPE positions and offsets, computed on host copies of the inputs and returned to their device.
         Stock loops over rows and images in small tensor ops with host reads, each a kernel launch or a sync on a GPU:
-        it is host work on the way to the first token (0.8 ms of an H200 host's for one image)."""
+        it is host work on the way to the first token (for one image on an H200 host: 0.89 ms, on copies 0.52)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.device.type == "cpu":
             return super().get_rope_index(input_ids, *args, **kwargs)
 
