@@ -22,7 +22,8 @@ from .triton_qwen3vl_graph import (
     triton,
 )
 
-SKINNY_ROWS = 16  # rows the skinny matmul takes (tl.dot pads them to 16 anyway)
+DOT_ROWS = 16  # the fewest rows of x a `tl.dot` takes: fewer are padded to it
+SKINNY_ROWS = 64  # the most rows the skinny matmul takes (whether it runs instead of cuBLAS is measured per shape)
 
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
 # `preload`: each program's whole K range is one tile (`block_k` inputs), loaded before the PDL wait. `fma`: each
@@ -69,7 +70,7 @@ if triton is not None:
                    FMA_ROWS: tl.constexpr):
         """`weight[weight_rows] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most
         ROWS rows of x (`live_rows` masks the weight rows): each weight tile is read once, coalesced along K, and serves
-        every row (the narrow side of a `tl.dot`, padded to ROWS, its minimum).
+        every row (the narrow side of a `tl.dot`, padded to ROWS: `padded_rows`).
 
         SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). In
         the `tl.dot` form a tile (BLOCK_K divides 128) lies in one block column: its FP8 values, exact in x's dtype,
@@ -242,7 +243,7 @@ def sm_count(device) -> int:
 
 
 def skinny(x, weight) -> bool:
-    """Whether the skinny matmul takes these operands: a few rows, unit stride along K."""
+    """Whether the skinny matmul takes these operands: at most SKINNY_ROWS rows, unit stride along K."""
     return x.dim() == 2 and x.shape[0] <= SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
 
 
@@ -273,10 +274,12 @@ def check_fp8_tiling(weight, config, k_split) -> None:
                          f"{config.block_k}")
 
 
-def fma_configs(weight) -> list:
-    """The FMA form's tilings an FP8 projection is measured at, K cut into ranges of the tile's width: 16 columns x
-    512 or 256 inputs and 8 x 512 on 4 warps (on an H200 the fastest at every 2B shape), 16 x 1024 on 8 warps (fewer
-    programs over a large matrix's K)."""
+def fma_configs(weight, rows) -> list:
+    """The FMA form's tilings an FP8 projection of `rows` rows is measured at, K cut into ranges of the tile's width:
+    16 columns x 512 or 256 inputs and 8 x 512 on 4 warps (on an H200 the fastest at every 2B shape), 16 x 1024 on 8
+    warps (fewer programs over a large matrix's K). None above DOT_ROWS rows: the form unrolls its loop over them."""
+    if rows > DOT_ROWS:
+        return []
     tilings = ((16, 512, 4), (16, 256, 4), (8, 512, 4), (16, 1024, 8))
     return [SkinnyConfig(block_n, width, triton.cdiv(weight.shape[1], width), num_warps=warps, num_stages=1, fma=True)
             for block_n, width, warps in tilings if width <= triton.next_power_of_2(weight.shape[1])]
@@ -289,6 +292,12 @@ def fp8_dot_configs(weight) -> list:
     k = weight.shape[1]
     splits = dict.fromkeys(triton.cdiv(k, blocks * SCALE_COLS) for blocks in (2, 4, 8))
     return [SkinnyConfig(64, SCALE_COLS, split, num_warps=4, num_stages=3) for split in splits]
+
+
+def padded_rows(rows) -> int:
+    """The rows of x that the skinny matmul's `tl.dot` computes: at least DOT_ROWS, a power of two (few compiled
+    variants); the padding rows are masked."""
+    return max(DOT_ROWS, triton.next_power_of_2(rows))
 
 
 def fma_rows(config, rows) -> int:
@@ -320,20 +329,21 @@ def rule_config(weight, can_split=True) -> SkinnyConfig:
     return skinny_config(*weight.shape, sm_count(weight.device), can_split=can_split)
 
 
-def stage_configs(rule, weight=None, can_split=True) -> tuple:
-    """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection is measured at (for an
-    `Fp8Weight` whose K may be split, `fp8_dot_configs` and the FMA form's too)."""
+def stage_configs(rule, weight=None, can_split=True, rows=1) -> tuple:
+    """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection of `rows` rows is measured at
+    (for an `Fp8Weight` whose K may be split, `fp8_dot_configs` and the FMA form's too)."""
     stages = rule._replace(num_stages=4), rule._replace(num_stages=6)
     if isinstance(weight, Fp8Weight) and can_split:
-        return stages + tuple(fp8_dot_configs(weight) + fma_configs(weight))
+        return stages + tuple(fp8_dot_configs(weight) + fma_configs(weight, rows))
     return stages
 
 
-def preload_config(weight, block_n=64, tile_bytes=64 * 1024):
-    """A preloaded tiling for `weight` on its device (see `_skinny_matmul_kernel`): `block_n` x (K range) tiles of
-    `tile_bytes` (staged in shared memory: two programs fit an SM), or None where they would take more than two
-    programs per SM (then some would load after the wait anyway)."""
-    if isinstance(weight, Fp8Weight):  # a tile spans one scale block: K steps of 128
+def preload_config(weight, rows=1, block_n=64, tile_bytes=64 * 1024):
+    """A preloaded tiling for `weight` on its device (see `_skinny_matmul_kernel`) and `rows` rows of x: `block_n` x
+    (K range) tiles of `tile_bytes` (staged in shared memory: two programs fit an SM), or None where they would take
+    more than two programs per SM (then some would load after the wait anyway), or where x has more than DOT_ROWS
+    rows (its tile, loaded after the wait, as large as the weight's at 64 rows)."""
+    if isinstance(weight, Fp8Weight) or rows > DOT_ROWS:  # FP8: a tile spans one scale block, K steps of 128
         return None
     n, k = weight.shape
     block_k = tile_bytes // (block_n * weight.element_size())
@@ -343,13 +353,13 @@ def preload_config(weight, block_n=64, tile_bytes=64 * 1024):
     return SkinnyConfig(block_n, block_k, split, num_warps=8, num_stages=1, preload=True)
 
 
-def split_configs(weight) -> list:
+def split_configs(weight, rows=1) -> list:
     """The skinny matmul's rule for `weight` on its device, and the same with half the K split: the tilings a
-    fused epilogue is measured at (for an `Fp8Weight`, `fp8_dot_configs` and the FMA form's too)."""
+    fused epilogue of `rows` rows is measured at (for an `Fp8Weight`, `fp8_dot_configs` and the FMA form's too)."""
     rule = rule_config(weight)
     configs = list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
     if isinstance(weight, Fp8Weight):
-        return configs + fp8_dot_configs(weight) + fma_configs(weight)
+        return configs + fp8_dot_configs(weight) + fma_configs(weight, rows)
     return configs
 
 
@@ -385,7 +395,7 @@ def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, parti
     launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n // 2 if swiglu else config.block_n), splits),
         x, matrix, scale, parts, rows, n, k, k_split, x.stride(0), matrix.stride(0), stride_s,
         hidden, norm_weight, sums, out, eps, ticket if fused_norm else out, splits,
-        ROWS=SKINNY_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
+        ROWS=padded_rows(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
         FMA_ROWS=fma_rows(config, rows), SWIGLU=swiglu,
         ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), PRELOAD=config.preload,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -416,7 +426,7 @@ def fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, 
     launch(_qkv_norm_rope_write_kernel, (n // block_n, splits),
         x, matrix, scale, parts, rows, k, k_split, x.stride(0), matrix.stride(0), stride_s, splits, q_weight, k_weight,
         cos, sin, eps, q, keys, values, cache_rows, cache_slots, keys.stride(0), keys.stride(1), keys.stride(2),
-        tickets, ROWS=SKINNY_ROWS, BLOCK_N=block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
+        tickets, ROWS=padded_rows(rows), BLOCK_N=block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
         FMA_ROWS=fma_rows(config, rows),
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -24,6 +24,7 @@ from .ops_attention_qwen3vl_graph import (
 from .fp8_qwen3vl_graph import Fp8Weight
 from .ops_fp8_matmul_qwen3vl_graph import fp8_matmul
 from .ops_matmul_qwen3vl_graph import (
+    DOT_ROWS,
     fused_qkv,
     linear_gelu_tanh,
     linear_gelu_tanh_reference,
@@ -155,21 +156,24 @@ class TritonOps(TorchOps):
         return self.tickets[device][:count]
 
     def linear(self, x, weight, bias=None):
-        """cuBLAS or the skinny Triton matmul, whichever measured faster on this device for these (M, N, K, dtype).
-        The skinny matmul runs at the rule's tiling with a 4- or a 6-stage pipeline: on an H200, 6 stages win for the
-        split projections (o_proj, down_proj, QKV) and 4 for gate/up. A bias (the text model has none) keeps cuBLAS,
-        which adds it. An `Fp8Weight` takes the skinny matmul for a few rows without bias (its `tl.dot` or FMA form, at
-        their measured tilings; cuBLAS has no FP8-weight x 16-bit-activation product), else `fp8_matmul`."""
+        """cuBLAS or the skinny Triton matmul (up to SKINNY_ROWS rows), whichever measured faster on this device for
+        these (M, N, K, dtype). The skinny matmul runs at the rule's tiling with a 4- or a 6-stage pipeline: on an
+        H200, 6 stages win for the split projections (o_proj, down_proj, QKV) and 4 for gate/up. A bias (the text
+        model has none) keeps cuBLAS, which adds it. An `Fp8Weight` without bias takes the skinny matmul (its `tl.dot`
+        or FMA form, at their measured tilings; cuBLAS has no FP8-weight x 16-bit-activation product), measured
+        against `fp8_matmul` past DOT_ROWS rows; else `fp8_matmul`."""
+        rows = x.shape[0]
         if isinstance(weight, Fp8Weight):
             if bias is not None or not skinny(x, weight):
                 return fp8_matmul(x, weight, bias)
-            candidates = [lambda config=config: skinny_matmul(x, weight, config)
-                          for config in stage_configs(rule_config(weight), weight)]
+            dequantized = [lambda: fp8_matmul(x, weight)] if rows > DOT_ROWS else []
+            candidates = [*dequantized, *(lambda config=config: skinny_matmul(x, weight, config)
+                                          for config in stage_configs(rule_config(weight), weight, rows=rows))]
             return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
         if bias is not None or not skinny(x, weight):
             return F.linear(x, weight, bias)
         candidates = (lambda: F.linear(x, weight), *(lambda config=config: skinny_matmul(x, weight, config)
-                                                      for config in stage_configs(rule_config(weight), weight)))
+                                                      for config in stage_configs(rule_config(weight), weight, rows=rows)))
         return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
 
     def linear_gelu_tanh(self, x, weight, bias):
@@ -189,7 +193,7 @@ class TritonOps(TorchOps):
             return separate()
         summed_by_swiglu = [lambda config=config: silu_mul(skinny_matmul(x, gate_up_weight, config, partials=True),
                                                            x.dtype)
-                            for config in stage_configs(rule_config(gate_up_weight), gate_up_weight)]
+                            for config in stage_configs(rule_config(gate_up_weight), gate_up_weight, rows=x.shape[0])]
         fused = [lambda config=config: skinny_matmul(x, gate_up_weight, config, swiglu=True)
                  for config in stage_configs(rule_config(gate_up_weight, can_split=False), gate_up_weight,
                                              can_split=False)]
@@ -199,7 +203,8 @@ class TritonOps(TorchOps):
     def linear_add_rms_norm(self, x, weight, bias, hidden, norm_weight, eps):
         """Whichever measured fastest of: the projection then the add-and-norm kernel; the skinny matmul's partial
         products, summed by the add-and-norm kernel (4 or 6 stages, or preloaded where it fits); one skinny matmul
-        whose last program adds and norms (at the rule's split of K, or half of it).
+        whose last program adds and norms (at the rule's split of K, or half of it; for at most DOT_ROWS rows, which
+        that program takes one by one).
 
         The preloaded form is always timed in the step too: there (o_proj after the merge, which releases it early) it
         loads its weights during attention. On an H200 it is 0.011, 0.023 and 0.015 ms/step faster in the step at
@@ -209,14 +214,15 @@ class TritonOps(TorchOps):
 
         if bias is not None or not skinny(x, weight):
             return separate()
-        preload = preload_config(weight)
-        tilings = stage_configs(rule_config(weight), weight) + ((preload,) if preload else ())
+        rows = x.shape[0]
+        preload = preload_config(weight, rows)
+        tilings = stage_configs(rule_config(weight), weight, rows=rows) + ((preload,) if preload else ())
         summed_by_norm = [lambda config=config: self.add_rms_norm(hidden, skinny_matmul(x, weight, config, partials=True),
                                                                   norm_weight, eps)
                           for config in tilings]
         fused = [lambda config=config: skinny_matmul(x, weight, config, add_rms_norm=(hidden, norm_weight, eps),
                                                      ticket=self.ticket(x.device))
-                 for config in split_configs(weight)]
+                 for config in split_configs(weight, rows)] if rows <= DOT_ROWS else []
         return self.tuner.measured("linear_add_rms_norm", matmul_shape(x, weight), x.device,
                                    (separate, *summed_by_norm, *fused), in_step=(len(tilings),) if preload else ())
 
@@ -233,10 +239,10 @@ class TritonOps(TorchOps):
         summed_by_norm = [lambda config=config: self.qk_norm_rope_write(skinny_matmul(x, qkv_weight, config, partials=True),
                                                                         heads, *qk_norms, rotary, keys, values, cache_rows,
                                                                         cache_slots)
-                          for config in stage_configs(rule_config(qkv_weight), qkv_weight)]
+                          for config in stage_configs(rule_config(qkv_weight), qkv_weight, rows=x.shape[0])]
         fused = [lambda config=config: fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows,
                                                  cache_slots, config, self.ticket(x.device, heads + 2 * keys.shape[1]))
-                 for config in split_configs(qkv_weight)]
+                 for config in split_configs(qkv_weight, x.shape[0])]
         return self.tuner.measured("qkv_norm_rope_write", matmul_shape(x, qkv_weight), x.device,
                                    (separate, *summed_by_norm, *fused))
 

@@ -72,6 +72,18 @@ def test_skinny_matmul_on_fp8_tiles(dtype, rows, scale_rows, form):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 2], ids=["one-pass", "split-k"])
+def test_skinny_matmul_on_fp8_tiles_of_many_rows(dtype, split_k):
+    """40 rows (a `tl.dot` 64 rows wide, padding masked) in the `tl.dot` form (the FMA form takes a few rows only)."""
+    x, weight = randn(40, 300, dtype=dtype), random_fp8(200, 300, 128)
+    config = matmul.SkinnyConfig(block_n=32, block_k=128, split_k=split_k, num_warps=4, num_stages=2)
+    with poisoned_empty():
+        out = matmul.skinny_matmul(x, weight, config)
+    assert_close_at_scale(out, reference(x, weight))
+
+
+@needs_triton
 def test_fp8_tiles_stay_within_a_scale_block():
     x, weight = randn(1, 512, dtype=torch.float32), random_fp8(64, 512)
     with pytest.raises(ValueError, match="scale blocks"):
@@ -81,7 +93,8 @@ def test_fp8_tiles_stay_within_a_scale_block():
         matmul.skinny_matmul(x, weight.dequantize(torch.float32), matmul.SkinnyConfig(32, 512, 1, 4, 2, fma=True))
     with pytest.raises(ValueError, match="whole K range"):  # two 256-input tiles per range
         matmul.skinny_matmul(x, weight, matmul.SkinnyConfig(32, 256, 1, 4, 2, fma=True))
-    assert all(config.fma and config.block_k * config.split_k >= 512 for config in matmul.fma_configs(weight))
+    assert all(config.fma and config.block_k * config.split_k >= 512 for config in matmul.fma_configs(weight, 1))
+    assert matmul.fma_configs(weight, matmul.DOT_ROWS + 1) == []  # the FMA form unrolls its loop over the rows
 
 
 @needs_triton

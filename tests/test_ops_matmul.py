@@ -38,7 +38,7 @@ SKINNY_CONFIGS = {
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 20])  # 20: more rows than one `tl.dot` width, padded to 32
 @pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
 def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form):
@@ -49,7 +49,8 @@ def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form):
     x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
     qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
     cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
-    cache_rows, cache_slots = torch.arange(rows, device=DEVICE), torch.tensor([4, 19, 0], device=DEVICE)[:rows]
+    cache_rows = torch.arange(rows, device=DEVICE)
+    cache_slots = torch.tensor([4, 19, 0] + list(range(3, rows)), device=DEVICE)[:rows]
     keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
     values = torch.full_like(keys, float("nan"))
     k_ref, v_ref = keys.float(), values.float()
@@ -84,7 +85,7 @@ def test_silu_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, matmul.SKINNY_ROWS])  # 40 and 64 rows: `tl.dot`s 64 rows wide
 @pytest.mark.parametrize("form", SKINNY_CONFIGS)
 def test_skinny_matmul(dtype, rows, form):
     # N and K are not multiples of the blocks.
@@ -133,7 +134,7 @@ def test_linear_takes_the_kernel_or_cublas_by_shape(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 33])
 def test_linear_swiglu_fused_and_chosen(dtype, rows):
     """SwiGLU as the gate/up matmul's epilogue (the up columns of each gate column in the same program) equals the
     matmul then the SwiGLU kernel."""
@@ -149,7 +150,7 @@ def test_linear_swiglu_fused_and_chosen(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 24])
 @pytest.mark.parametrize("form", SKINNY_CONFIGS)
 def test_linear_add_rms_norm_fused_and_chosen(dtype, rows, form):
     """The residual add and RMSNorm done by the skinny matmul's last program equal the matmul then the add-and-norm
