@@ -78,9 +78,10 @@ if triton is not None:
         of TILES x CHUNK slots) takes the softmax of the KV head's query group over its split, a tile of CHUNK slots
         at a time (row r's cache is cache row `cache_rows[r]`, the new token's K/V already in it).
 
-        A program loops only over the tiles that hold written slots: slots up to the new token's were all written
-        (the prefill writes left padding too), and the ones the row does not attend to (left padding) are zeroed
-        after loading, so whatever they hold drops out. Slots past the new token are never read."""
+        A program loops only over the tiles that hold written slots, and loads only the slots its row attends to:
+        written (up to the new token's) and not left padding. The others load as zeros, so whatever they hold drops
+        out; masking the loads, rather than zeroing K and V in registers after them, lets the tiles go from the copy
+        to the MMA untouched (on an H200, 9-11% faster at batch 8-64, `bench/probes/attention_forms_probe.py`)."""
         _wait_then_release(PDL)
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -101,11 +102,9 @@ if triton is not None:
             written = slots <= length
             cache = (cache_row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot
                      + dims[None, :])
-            k = tl.load(keys + cache, mask=written[:, None], other=0.0)
-            v = tl.load(values + cache, mask=written[:, None], other=0.0)
             readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
-            k = tl.where(readable[:, None], k, 0.0)
-            v = tl.where(readable[:, None], v, 0.0)
+            k = tl.load(keys + cache, mask=readable[:, None], other=0.0)
+            v = tl.load(values + cache, mask=readable[:, None], other=0.0)
             scores = tl.dot(queries, tl.trans(k)).to(tl.float32) * scale
             scores = tl.where(readable[None, :], scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, axis=1))
