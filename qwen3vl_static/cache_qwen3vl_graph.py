@@ -28,6 +28,7 @@ class ASStaticCache(StaticCache):
         self.capacity = static_cache_len
         self.full_keys = [layer.keys for layer in self.layers]
         self.full_values = [layer.values for layer in self.layers]
+        self._views, self._views_shape = [], None  # `_view`'s
         # The token ids `(rows, n)` whose K/V fill the first n slots after the static loop, None after anything else.
         self.tokens = None
         self.resumed = False  # this request continues what the cache holds
@@ -80,8 +81,14 @@ class ASStaticCache(StaticCache):
         return self.tokens.shape[1] if self.tokens is not None else int(self.get_seq_length())
 
     def _view(self, batch_size: int, length: int) -> None:
-        for layer, keys, values in zip(self.layers, self.full_keys, self.full_values):
-            layer.keys, layer.values = keys[:batch_size, :, :length], values[:batch_size, :, :length]
+        # The last shape's views are kept: slicing every layer's K/V is host time on the way to the first token
+        # (continuous batching takes the same shape for every request it admits).
+        if self._views_shape != (batch_size, length):
+            self._views = [(keys[:batch_size, :, :length], values[:batch_size, :, :length])
+                           for keys, values in zip(self.full_keys, self.full_values)]
+            self._views_shape = (batch_size, length)
+        for layer, (keys, values) in zip(self.layers, self._views):
+            layer.keys, layer.values = keys, values
             layer.batch_size = batch_size
             layer.max_cache_len = length
 
