@@ -18,10 +18,13 @@ def rotary_reference(cos, sin):
     return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
-def qk_norm_rope_write_reference(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots):
+def qk_norm_rope_write_reference(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots,
+                                 return_kv: bool = False):
     """QK-norm and rotary embedding of the fused QKV output `(rows, (Hq + 2 Hkv) * D)`, one token per row; writes
     each row's K and V into the cache at `[cache_rows[row], :, cache_slots[row]]` and returns the queries
-    `(rows, Hq, D)`. Decoding writes one token of each sequence; prefill writes all tokens of the prompt."""
+    `(rows, Hq, D)`. Decoding writes one token of each sequence; prefill writes all tokens of the prompt.
+    `return_kv`: returns `(q, k, v)`, with the K and V written `(rows, Hkv, D)` (a fresh prompt's attention reads
+    them there instead of gathering its cache rows)."""
     rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
     qkv = qkv.view(rows, -1, head_dim)
     qk = F.rms_norm(qkv[:, : heads + kv_heads], (head_dim,), eps=eps)
@@ -31,6 +34,8 @@ def qk_norm_rope_write_reference(qkv, heads, q_weight, k_weight, eps, rotary, ke
     qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), signed_sin)
     keys[cache_rows, :, cache_slots] = qk[:, heads:]
     values[cache_rows, :, cache_slots] = qkv[:, heads + kv_heads :]
+    if return_kv:
+        return qk[:, :heads], qk[:, heads:].to(keys.dtype), qkv[:, heads + kv_heads :].to(values.dtype)
     return qk[:, :heads]
 
 
@@ -117,13 +122,15 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_write_kernel(
-        qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, eps, splits, split_stride,
-        stride_cache_row, stride_cache_head, stride_cache_slot,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+        qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, k_out, v_out, eps, splits,
+        split_stride, stride_cache_row, stride_cache_head, stride_cache_slot,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        RETURN_KV: tl.constexpr, PDL: tl.constexpr,
     ):
         """One (token, KV head) per program: its query heads, normed and rotated, to `q_out`; its key, normed and
-        rotated, and its value into the cache. q and k are rounded once to the storage dtype. `qkv` is the projection's
-        output or its `splits` float32 partials (`_load_summed`)."""
+        rotated, and its value into the cache (and to `k_out`, `v_out` `(tokens, KV heads, D)` with RETURN_KV). q and
+        k are rounded once to the storage dtype. `qkv` is the projection's output or its `splits` float32 partials
+        (`_load_summed`)."""
         # Norm weights never change during a step, so they load before the PDL wait, during the previous kernel.
         q_weights, k_weights = _head_weights(q_weight, HEAD_DIM), _head_weights(k_weight, HEAD_DIM)
         _wait_then_release(PDL)
@@ -144,8 +151,13 @@ if triton is not None:
                 + tl.load(cache_slots + row) * stride_cache_slot + dims)
         q = _norm_rope(q, q_rolled, q_weights, tables, eps, HEAD_DIM)
         tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q.to(dtype), mask=group < GROUP)
-        tl.store(keys + slot, _norm_rope(k, k_rolled, k_weights, tables, eps, HEAD_DIM).to(dtype))
+        k = _norm_rope(k, k_rolled, k_weights, tables, eps, HEAD_DIM).to(dtype)
+        tl.store(keys + slot, k)
         tl.store(values + slot, v.to(dtype))
+        if RETURN_KV:
+            written = (row * KV_HEADS + kv_head) * HEAD_DIM + dims
+            tl.store(k_out + written, k)
+            tl.store(v_out + written, v.to(dtype))
 
     @triton.jit
     def _decode_rotary_kernel(positions, stride_component, stride_row, components, inv_freq, scaling, cos, sin,
@@ -194,20 +206,23 @@ def decode_rotary(rotary_emb, hidden, positions, components):
     return cos, sin
 
 
-def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots):
+def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots,
+                       return_kv: bool = False):
     """`qk_norm_rope_write_reference` in one launch. `qkv` is the projection's output `(rows, N)`, or its float32
     partial products `(splits, rows, N)` (`skinny_matmul(..., partials=True)`), summed and rounded here."""
     rows, n = qkv.shape[-2:]
     kv_heads, head_dim = keys.shape[1], keys.shape[-1]
     q = torch.empty(rows, heads, head_dim, dtype=keys.dtype, device=qkv.device)
+    k, v = torch.empty(2, rows, kv_heads, head_dim, dtype=keys.dtype, device=qkv.device) if return_kv else (q, q)
     cos, sin = rotary
     group = heads // kv_heads
     launch(_qk_norm_rope_write_kernel, (rows, kv_heads),
-        qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, eps, qkv.numel() // (rows * n),
-        rows * n, keys.stride(0), keys.stride(1), keys.stride(2),
+        qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, k, v, eps,
+        qkv.numel() // (rows * n), rows * n, keys.stride(0), keys.stride(1), keys.stride(2),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        RETURN_KV=return_kv,
     )
-    return q
+    return (q, k, v) if return_kv else q
 
 
 def vision_qkv_rope(qkv, heads, cos, sin):

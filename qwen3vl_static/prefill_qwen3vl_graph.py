@@ -185,11 +185,19 @@ class PrefillRunner(GraphRunner):
             mask = mask[:, None]  # (rows, 1, size, KV slots)
 
         def attend(layer, keys, values, x):
-            # The same fused QK-norm / rotary / cache-write op as a decode step, over every token of the prompt.
-            q = ops.qk_norm_rope_write(ops.linear(x, layer.qkv), layer.heads, *layer.qk_norms, rotary, keys, values,
-                                       cache_rows, cache_slots)
+            # The same fused QK-norm / rotary / cache-write op as a decode step, over every token of the prompt. A
+            # fresh prompt's K/V slots are its own tokens: it reads them as the op returns them, not by gathering its
+            # cache rows (two launches a layer).
+            qkv = ops.linear(x, layer.qkv)
+            if kv_slots == size:
+                q, k, v = ops.qk_norm_rope_write(qkv, layer.heads, *layer.qk_norms, rotary, keys, values, cache_rows,
+                                                 cache_slots, return_kv=True)
+                k, v = (states.view(rows, size, *states.shape[1:]).transpose(1, 2) for states in (k, v))
+            else:
+                q = ops.qk_norm_rope_write(qkv, layer.heads, *layer.qk_norms, rotary, keys, values, cache_rows,
+                                           cache_slots)
+                k, v = (cache[:, :, :kv_slots].index_select(0, row_ids) for cache in (keys, values))
             q = q.view(rows, size, layer.heads, -1).transpose(1, 2)
-            k, v = (cache[:, :, :kv_slots].index_select(0, row_ids) for cache in (keys, values))
             if masked:  # K/V heads repeated for the query heads, as stock `repeat_kv` does (masked kernels lack GQA)
                 group = layer.heads // keys.shape[1]
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

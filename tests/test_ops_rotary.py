@@ -45,6 +45,35 @@ def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_write_returns_the_kv_it_writes(dtype):
+    """With `return_kv` (a fresh prompt's prefill attends to them there): q as without it, and K/V `(tokens, KV heads,
+    D)` equal to what went into the cache, bitwise; the reference's are the reference's."""
+    tokens, heads, kv_heads, dim, slots = 5, 4, 2, 32, 8
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
+    cos, sin = randn(tokens, 1, dim, dtype=dtype), randn(tokens, 1, dim, dtype=dtype)
+    cache_rows, cache_slots = torch.tensor([0, 0, 0, 1, 1], device=DEVICE), torch.tensor([0, 1, 2, 0, 1], device=DEVICE)
+    returned = []
+    for ops in (Torch, Triton):
+        keys = torch.full((2, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
+        values = torch.full_like(keys, float("nan"))
+        tables = ops.rotary(cos, sin)
+        q_alone = ops.qk_norm_rope_write(qkv, heads, *norms, tables, keys.clone(), values.clone(), cache_rows,
+                                         cache_slots)
+        with poisoned_empty():
+            q, k, v = ops.qk_norm_rope_write(qkv, heads, *norms, tables, keys, values, cache_rows, cache_slots,
+                                             return_kv=True)
+        torch.testing.assert_close(q, q_alone, rtol=0, atol=0)
+        assert k.shape == v.shape == (tokens, kv_heads, dim)
+        torch.testing.assert_close(k, keys[cache_rows, :, cache_slots], rtol=0, atol=0)
+        torch.testing.assert_close(v, values[cache_rows, :, cache_slots], rtol=0, atol=0)
+        returned.append((k, v))
+    (k_ref, v_ref), (k, v) = returned
+    torch.testing.assert_close(k, k_ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_rotary_matches_the_stock_module(dtype):
     """The step's rotary tables from one kernel equal the stock module's (Qwen3-VL-2B's M-RoPE sections), for positions
     whose T/H/W components differ (image tokens) or agree (text), bitwise on CUDA (the same float32 math)."""
