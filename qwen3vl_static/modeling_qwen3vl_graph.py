@@ -63,30 +63,15 @@ class Qwen3VLGraphModel(Qwen3VLModel):
     # input along (the pixels too): the others stay where they are.
     _ROPE_INDEX_INPUTS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "attention_mask")
 
-    @contextmanager
-    def host_copies(self, tensors):
-        """Within it, `get_rope_index` reads host copies of `tensors` taken on entry (those it is given by identity).
-        `generate` takes them before the vision tower runs ahead: a host read queued behind the tower's kernels waits
-        for them."""
-        self._host_copies = {id(value): (value, value.cpu()) for value in tensors if isinstance(value, torch.Tensor)}
-        try:
-            yield
-        finally:
-            self._host_copies = {}
-
     def get_rope_index(self, input_ids=None, *args, **kwargs):
         """The stock M-RoPE positions and offsets, computed on host copies of the inputs and returned to their device.
         Stock loops over rows and images in small tensor ops with host reads, each a kernel launch or a sync on a GPU:
         it is host work on the way to the first token (for one image on an H200 host: 0.89 ms, on copies 0.52)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.device.type == "cpu":
             return super().get_rope_index(input_ids, *args, **kwargs)
-        held = getattr(self, "_host_copies", {})
 
         def on_host(value):
-            if not isinstance(value, torch.Tensor):
-                return value
-            original, copy = held.get(id(value), (None, None))
-            return copy if original is value else value.cpu()
+            return value.cpu() if isinstance(value, torch.Tensor) else value
 
         kwargs = {key: on_host(value) if key in self._ROPE_INDEX_INPUTS else value for key, value in kwargs.items()}
         positions, offsets = super().get_rope_index(input_ids.cpu(), *map(on_host, args), **kwargs)
@@ -126,17 +111,13 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             # Before generate's own steps: transformers 5.2x runs the vision tower early.
             vision = engine.vision
             # The tower runs on the side stream while generate prepares its inputs (host work, ~3 ms on an H200
-            # host); whichever path encodes the images then takes the result. The M-RoPE index's inputs are read
-            # first, while the GPU is idle.
+            # host); whichever path encodes the images then takes the result.
             videos = kwargs.get("pixel_values_videos") is not None
-            rope_inputs = [kwargs.get("input_ids", args[0] if args else None)]
-            rope_inputs += [kwargs.get(key) for key in Qwen3VLGraphModel._ROPE_INDEX_INPUTS]
-            with self.model.host_copies(rope_inputs if kwargs.get("pixel_values") is not None else ()):
-                vision.encode_ahead(kwargs.get("pixel_values"), kwargs.get("image_grid_thw"), videos=videos)
-                try:
-                    return super().generate(*args, **kwargs)
-                finally:
-                    vision.join_ahead()  # not taken (an error, or a path that never encoded): its buffers are free
+            vision.encode_ahead(kwargs.get("pixel_values"), kwargs.get("image_grid_thw"), videos=videos)
+            try:
+                return super().generate(*args, **kwargs)
+            finally:
+                vision.join_ahead()  # not taken (an error, or a path that never encoded): its buffers are free again
 
     @contextmanager
     def backend_flags(self):

@@ -1,7 +1,6 @@
 """Where a TTFT goes, and what a decode step's GPU time is made of (H200): the stage split of one
 `generate(max_new_tokens=1)` on a 448x448 image prompt (vision, prefill, M-RoPE index, the rest), TTFT without the
-vision tower run ahead, TTFT with the M-RoPE index's inputs copied to the host as it runs (behind the tower run
-ahead) rather than before the tower, the tower eagerly at its exact size and with the stock Conv3d patch embedding, kernel profiles
+vision tower run ahead, the tower eagerly at its exact size and with the stock Conv3d patch embedding, kernel profiles
 of a batch-1 decode step and of the call's vision tower and prefill, and the host time of one call by function.
 
 The probe wraps runner methods to time them (the benchmark never does). Run: `python bench/probes/ttft_probe.py`
@@ -13,7 +12,7 @@ import json
 import os
 import pstats
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -128,10 +127,6 @@ def main() -> None:
     engine.vision.encode_ahead = lambda *args, **kwargs: None  # an instance attribute over the method
     result["ttft_ms_tower_not_run_ahead"] = best_ms(lambda: timed_generate(ours, image, 1))
     del engine.vision.encode_ahead
-    ours.model.host_copies = lambda tensors: nullcontext()  # the M-RoPE index copies its inputs as it runs
-    result["ttft_ms_rope_inputs_copied_late"] = best_ms(lambda: timed_generate(ours, image, 1))
-    del ours.model.host_copies
-    result["ttft_ms_again"] = best_ms(lambda: timed_generate(ours, image, 1))
     with torch.no_grad():
         engine.vision.limit, limit = None, engine.vision.limit  # no chunk in the buffers: eager
         result["vision_tower_eager_exact_ms"] = best_ms(lambda: ours.model.visual(pixels, grid_thw=grid))
