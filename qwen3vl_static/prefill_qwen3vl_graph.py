@@ -188,14 +188,14 @@ class PrefillRunner(GraphRunner):
             # The same fused QK-norm / rotary / cache-write op as a decode step, over every token of the prompt. A
             # fresh prompt's K/V slots are its own tokens: it reads them as the op returns them, not by gathering its
             # cache rows (two launches a layer).
-            qkv = ops.linear(x, layer.qkv)
-            if kv_slots == size:
-                q, k, v = ops.qk_norm_rope_write(qkv, layer.heads, *layer.qk_norms, rotary, keys, values, cache_rows,
-                                                 cache_slots, return_kv=True)
+            fresh = kv_slots == size
+            written = ops.qk_norm_rope_write(ops.linear(x, layer.qkv), layer.heads, *layer.qk_norms, rotary, keys,
+                                             values, cache_rows, cache_slots, return_kv=fresh)
+            if fresh:
+                q, k, v = written
                 k, v = (states.view(rows, size, *states.shape[1:]).transpose(1, 2) for states in (k, v))
             else:
-                q = ops.qk_norm_rope_write(qkv, layer.heads, *layer.qk_norms, rotary, keys, values, cache_rows,
-                                           cache_slots)
+                q = written
                 k, v = (cache[:, :, :kv_slots].index_select(0, row_ids) for cache in (keys, values))
             q = q.view(rows, size, layer.heads, -1).transpose(1, 2)
             if masked:  # K/V heads repeated for the query heads, as stock `repeat_kv` does (masked kernels lack GQA)
