@@ -21,12 +21,12 @@ pytestmark = needs_triton
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_len", [64, 160])
-@pytest.mark.parametrize("tiles", [1, 2, 4])
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4])
 def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtype, kv_len, tiles, monkeypatch):
     """Decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge) against the reference ops. Every
     slot it must not read (unwritten, the new token's own slot included until it is written) or attend to (left
     padding) holds NaN, so using one poisons the output; only each row's new slot may change. Rows read and write the
-    cache rows they are given (a permutation with a row left out), not their own. Programs of 1, 2 and 4 tiles of 64
+    cache rows they are given (a permutation with a row left out), not their own. Programs of 1 to 4 tiles of 64
     slots (a split past the new token's slot has nothing to read)."""
     monkeypatch.setattr(ops_attention_qwen3vl_graph, "split_tiles", lambda rows, kv_heads, kv_len: tiles)
     rows, heads, kv_heads, dim, capacity, hidden = 3, 4, 2, 32, 160, 64

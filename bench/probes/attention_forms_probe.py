@@ -25,7 +25,13 @@ import triton.language as tl
 if not torch.cuda.is_available():
     sys.exit("attention_forms_probe.py needs a CUDA device.")
 
-from qwen3vl_static.ops_attention_qwen3vl_graph import CHUNK, MERGE_BLOCK, _merge_kernel, decode_attention, split_tiles
+from qwen3vl_static.ops_attention_qwen3vl_graph import (
+    CHUNK,
+    MERGE_BLOCK,
+    _merge_kernel,
+    decode_attention,
+    split_tiles,
+)
 from qwen3vl_static.triton_qwen3vl_graph import _wait_then_release, launch
 from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
 
@@ -56,7 +62,7 @@ def _splits_kernel(
     best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-    for tile in range(0, tl.minimum(TILES, tl.cdiv(length + 1 - first, CHUNK))):
+    for tile in range(tl.minimum(TILES, tl.cdiv(length + 1 - first, CHUNK))):
         slots = first + tile * CHUNK + tl.arange(0, CHUNK)
         written = slots <= length
         cache = (cache_row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot

@@ -1,9 +1,11 @@
 """How fast does flash-decoding read the KV cache, by split size? (H200 probe; JSON to $OUT.)
 
 The decode attention kernels alone (2B shapes: 16 query heads, 8 KV heads of 128) over each row's `length` written
-slots of a `kv_len` graph bucket, for programs of 1, 2, 4, 8 and 16 tiles of 64 slots, timed as the tuner times a
-candidate (its own CUDA graph between two small kernels, L2 flushed, median of 20). Reports microseconds and the
-bandwidth of the K/V bytes read, and each form's largest difference from the 1-tile form.
+slots of a `kv_len` graph bucket, for programs of every tile count from 1 to 16 (64 slots a tile; `split_tiles` takes
+powers of two), timed as the tuner times a candidate (its own CUDA graph between two small kernels, L2 flushed, median
+of 20). Reports microseconds, the bandwidth of the K/V bytes read, each form's programs that have slots to read (how
+full their last wave is on the SMs may matter more than the tile count: batch 1 at 7,880 slots has 248 at 4 tiles, 336
+at 3), and each form's largest difference from the 1-tile form.
 Run: python bench/probes/attention_probe.py
 """
 
@@ -22,7 +24,7 @@ from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
 HEADS, KV_HEADS, DIM = 16, 8, 128
 SHAPES = [(1, 1024, 592), (4, 1024, 592), (8, 1024, 592), (64, 512, 336), (1, 8192, 7880), (8, 4096, 4080),
           (8, 8192, 4080), (32, 1024, 700)]
-TILES = [1, 2, 4, 8, 16]
+TILES = list(range(1, 17))
 
 generator = torch.Generator(device="cuda").manual_seed(0)
 rows_out = []
@@ -41,6 +43,7 @@ for rows, kv_len, length in SHAPES:
     gigabytes = rows * length * KV_HEADS * DIM * 2 * 2 / 1e9
     row = {"rows": rows, "kv_len": kv_len, "length": length, "kv_gb": gigabytes,
            "us": dict(zip(TILES, times)), "tb_per_s": {tiles: gigabytes / us * 1e3 for tiles, us in zip(TILES, times)},
+           "programs_with_slots": {tiles: rows * KV_HEADS * -(-length // (64 * tiles)) for tiles in TILES},
            "max_abs_diff_vs_1_tile": {tiles: (out - outputs[0]).abs().max().item() for tiles, out in zip(TILES, outputs)}}
     rows_out.append(row)
     print(json.dumps(row), flush=True)

@@ -32,13 +32,12 @@ class ZeroedAfterLoading:
     """The probe's kernel with K/V zeroed after loading, launched where `decode_attention` launches the shipped one."""
 
     arg_names = forms._splits_kernel.arg_names
-    flags = {"MASK_IN_LOAD": False, "P_FORM": 0}
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: forms._splits_kernel[grid](*args, **kwargs, **self.flags)
+        return lambda *args, **kwargs: forms._splits_kernel[grid](*args, **kwargs, MASK_IN_LOAD=False, P_FORM=0)
 
     def warmup(self, *args, **kwargs):
-        return forms._splits_kernel.warmup(*args, **kwargs, **self.flags)
+        return forms._splits_kernel.warmup(*args, **kwargs, MASK_IN_LOAD=False, P_FORM=0)
 
 
 def measure(kernel, batch, context) -> float:
