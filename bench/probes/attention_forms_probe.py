@@ -1,18 +1,20 @@
 """Does flash-decoding's first pass read the KV cache faster without its float32 detour? (H200 probe; JSON to $OUT.)
 
-The shipped splits kernel zeroes the slots a row does not attend to in registers after loading K and V, and takes
-P·V as a float32 `tl.dot` (V converted to float32, which Triton runs in TF32). Two changes, each a flag of this
-probe's copy of that kernel:
+The splits kernel zeroed the slots a row does not attend to in registers after loading K and V (it now masks its
+loads: this probe's finding), and takes P·V as a float32 `tl.dot` (V converted to float32, which Triton runs in TF32).
+Two changes, each a flag of this probe's copy of the kernel as it was:
 - MASK_IN_LOAD: the slots a row does not attend to are left out of the loads themselves (their attendable flags are
   loaded first), so K and V go from the copy to the MMA untouched;
 - P_FORM: 0 P·V in float32 (shipped); 1 P as two bf16 terms (P's bf16 rounding, then the rest rounded) against V
   in bf16, about 16 bits of P (TF32 keeps 11); 2 P in bf16 alone (8 bits; for comparison).
 Timed as the tuner times a candidate, with the shipped merge, on the shapes where the step spends most in attention,
 at `split_tiles`' tiles and twice as many, 2 to 4 stages, 2 or 4 warps. Reports microseconds, K/V bandwidth, and each form's
-largest difference from float32 attention over the same bf16 K/V (rows with left padding included).
+largest difference from float32 attention over the same bf16 K/V (the package's reference ops; rows with left padding
+included). Launched by `attention_launch_probe.py`'s `attention`.
 Run: python bench/probes/attention_forms_probe.py
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -27,13 +29,18 @@ if not torch.cuda.is_available():
 
 from qwen3vl_static.ops_attention_qwen3vl_graph import (
     CHUNK,
-    MERGE_BLOCK,
-    _merge_kernel,
+    attention_context_reference,
     decode_attention,
+    decode_attention_reference,
     split_tiles,
 )
-from qwen3vl_static.triton_qwen3vl_graph import _wait_then_release, launch
+from qwen3vl_static.triton_qwen3vl_graph import _wait_then_release
 from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
+
+# The launcher of the splits kernel at given settings, then the shipped merge.
+spec = importlib.util.spec_from_file_location("attention_launch_probe", Path(__file__).with_name("attention_launch_probe.py"))
+launch_probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(launch_probe)
 
 HEADS, KV_HEADS, DIM = 16, 8, 128
 SHAPES = [(64, 512, 336), (32, 1024, 700), (8, 4096, 4080), (1, 8192, 7880)]
@@ -100,34 +107,6 @@ def _splits_kernel(
     tl.store(part_sum + part, total, mask=live)
 
 
-def attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, tiles, mask_in_load, p_form, stages, warps):
-    rows, group = q.shape[0], HEADS // KV_HEADS
-    splits = triton.cdiv(kv_len, CHUNK * tiles)
-    part_out = torch.empty(rows * HEADS * splits, DIM, dtype=torch.float32, device=q.device)
-    part_max = torch.empty(rows * HEADS * splits, dtype=torch.float32, device=q.device)
-    part_sum = torch.empty_like(part_max)
-    launch(_splits_kernel, (rows, KV_HEADS, splits), q, keys, values, cache_lens, attendable, cache_rows,
-           part_out, part_max, part_sum, DIM**-0.5, keys.stride(0), keys.stride(1), keys.stride(2),
-           attendable.stride(0), splits, CHUNK=CHUNK, TILES=tiles, GROUP=group, GROUP_PAD=16, KV_HEADS=KV_HEADS,
-           HEAD_DIM=DIM, MASK_IN_LOAD=mask_in_load, P_FORM=p_form, num_stages=stages,
-           num_warps=warps)
-    out = torch.empty(rows, HEADS * DIM, dtype=q.dtype, device=q.device)
-    launch(_merge_kernel, (rows * HEADS,), part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=DIM,
-           MERGE_BLOCK=MERGE_BLOCK)
-    return out
-
-
-def exact(q, keys, values, cache_lens, attendable, cache_rows, kv_len):
-    """Float32 attention over the same bf16 K/V."""
-    slots = torch.arange(kv_len, device=q.device)
-    readable = attendable[:, :kv_len] & (slots <= cache_lens[:, None])
-    scores = torch.einsum("rkgd,rksd->rkgs", q.float().view(q.shape[0], KV_HEADS, -1, DIM),
-                          keys[cache_rows, :, :kv_len].float()) * DIM**-0.5
-    scores = scores.masked_fill(~readable[:, None, None, :], float("-inf"))
-    out = torch.einsum("rkgs,rksd->rkgd", scores.softmax(-1), values[cache_rows, :, :kv_len].float())
-    return out.reshape(q.shape[0], -1)
-
-
 def measure(rows, kv_len, length, generator) -> dict:
     def randn(*shape):
         return torch.randn(*shape, generator=generator, device="cuda", dtype=torch.bfloat16)
@@ -144,8 +123,11 @@ def measure(rows, kv_len, length, generator) -> dict:
     for form_tiles, mask_in_load, p_form, stages, warps in variants:
         name = f"tiles {form_tiles} mask_in_load {int(mask_in_load)} p_form {p_form} stages {stages} warps {warps}"
         forms[name] = (lambda form_tiles=form_tiles, mask_in_load=mask_in_load, p_form=p_form, stages=stages,
-                       warps=warps: attention(*operands, kv_len, form_tiles, mask_in_load, p_form, stages, warps))
-    reference = exact(*operands, kv_len)
+                       warps=warps: launch_probe.attention(*operands, kv_len, CHUNK, form_tiles, warps, stages,
+                                                           _splits_kernel, MASK_IN_LOAD=mask_in_load, P_FORM=p_form))
+    mask, cache_rows = attention_context_reference(attendable, operands[-1], operands[3], kv_len, torch.float32)
+    reference = decode_attention_reference(*(tensor.float() for tensor in operands[:3]), mask, cache_rows, kv_len,
+                                           DIM**-0.5)
     errors = {name: (call().float() - reference).abs().max().item() for name, call in forms.items()}
     times = dict(zip(forms, KernelTuner().time_calls(list(forms.values()))))
     gigabytes = 2 * rows * KV_HEADS * length * DIM * 2 / 1e9

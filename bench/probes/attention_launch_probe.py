@@ -34,17 +34,19 @@ HEADS, KV_HEADS, DIM = 16, 8, 128
 SHAPES = [(64, 512, 336), (32, 1024, 700), (8, 4096, 4080), (1, 8192, 7880)]
 
 
-def attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, chunk, tiles, num_warps, num_stages):
-    """`decode_attention` at these launch settings (the same two kernels)."""
+def attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, chunk, tiles, num_warps, num_stages,
+              kernel=_decode_attention_kernel, **constexprs):
+    """`decode_attention` at these launch settings (the same two kernels; or `kernel`, a form of the splits kernel
+    taking the same arguments and these `constexprs`, before the same merge)."""
     rows, group = q.shape[0], HEADS // KV_HEADS
     splits = triton.cdiv(kv_len, chunk * tiles)
     part_out = torch.empty(rows * HEADS * splits, DIM, dtype=torch.float32, device=q.device)
     part_max = torch.empty(rows * HEADS * splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    launch(_decode_attention_kernel, (rows, KV_HEADS, splits), q, keys, values, cache_lens, attendable, cache_rows,
+    launch(kernel, (rows, KV_HEADS, splits), q, keys, values, cache_lens, attendable, cache_rows,
            part_out, part_max, part_sum, DIM**-0.5, keys.stride(0), keys.stride(1), keys.stride(2),
            attendable.stride(0), splits, CHUNK=chunk, TILES=tiles, GROUP=group, GROUP_PAD=16, KV_HEADS=KV_HEADS,
-           HEAD_DIM=DIM, num_warps=num_warps, num_stages=num_stages)
+           HEAD_DIM=DIM, num_warps=num_warps, num_stages=num_stages, **constexprs)
     out = torch.empty(rows, HEADS * DIM, dtype=q.dtype, device=q.device)
     launch(_merge_kernel, (rows * HEADS,), part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=DIM,
            MERGE_BLOCK=MERGE_BLOCK)
