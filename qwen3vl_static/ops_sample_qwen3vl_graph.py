@@ -1,8 +1,8 @@
 """The in-graph sampler: temperature, top-k, top-p (transformers' warper semantics, per-row parameters) and a draw.
-The torch reference sorts (or, for a top-k of at most `candidates`, partially selects) the raw logits; the Triton
-launches do the rest, from the temperature to the drawn token: over a few candidates in one program per row, over
-the sorted vocabulary in two launches over splits of it, instead of a dozen passes.
-"""
+The torch reference sorts (or, for a top-k of at most `candidates`, partially selects) the raw logits. The Triton
+forms: for a top-k within the candidates, three launches from the logits to the drawn token (no torch selection: its
+radix passes cost more than the rest of the sampler); over the whole vocabulary, torch's sort, then two launches over
+splits of it, instead of a dozen passes."""
 
 import torch
 
@@ -37,14 +37,124 @@ def sample_tokens(logits, temperature, top_k, top_p, candidates: int | None = No
 if triton is not None:
 
     @triton.jit
-    def _sample_candidates_kernel(selected, order, temperature, top_k, top_p, noise, tokens,
-                                  CANDIDATES: tl.constexpr, BLOCK: tl.constexpr):
-        """One row: `sample_tokens`' math after the selection, over its CANDIDATES largest logits (descending)."""
+    def _order(values):
+        """float32 bits made order-preserving as a signed int (negative values' magnitude bits flipped); its own
+        inverse on the bits."""
+        bits = values.to(tl.float32).to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _ordered_keys(values, indices):
+        """(value, index) as int64 keys in the values' order, ties broken to the lower index first: `_order` above
+        the inverted index."""
+        return (_order(values).to(tl.int64) << 32) | (0x7FFFFFFF - indices).to(tl.int64)
+
+    @triton.jit
+    def _chunk_offsets(chunk, chunks, CHUNK: tl.constexpr):
+        """A chunk's CHUNK token ids: every `chunks`-th run of 16 (one 32-byte sector of bf16), so that ids of related
+        tokens, often adjacent, spread over all chunks instead of crowding a few."""
+        lanes = tl.arange(0, CHUNK)
+        return ((lanes // 16) * chunks + chunk) * 16 + lanes % 16
+
+    @triton.jit
+    def _chunk_max_kernel(logits, chunk_max, counts, vocab, stride, chunks, CHUNK: tl.constexpr):
+        """Per (row, chunk of CHUNK logits): the chunk's largest logit. Also empties the row's candidate list."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        offsets = _chunk_offsets(chunk, chunks, CHUNK)
+        x = tl.load(logits + row * stride + offsets, mask=offsets < vocab, other=float("-inf"))
+        tl.store(chunk_max + row * chunks + chunk, tl.max(x.to(tl.float32), axis=0))
+        if chunk == 0:
+            tl.store(counts + row, 0)
+
+    @triton.jit
+    def _threshold(chunk_max, row, chunks, CANDIDATES: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+        """The CANDIDATES-th largest chunk maximum (-inf with fewer chunks): the largest maximum that at least
+        CANDIDATES maxima reach. At least CANDIDATES logits reach it (those maxima), so the CANDIDATES largest
+        logits all do."""
+        ranks = tl.arange(0, CHUNKS_PAD)
+        maxima = tl.load(chunk_max + row * chunks + ranks, mask=ranks < chunks, other=float("-inf"))
+        reaching = tl.zeros([CHUNKS_PAD], dtype=tl.int32)
+        for start in range(0, CHUNKS_PAD, 32):  # compared 32 at a time: a few registers a thread
+            others = start + tl.arange(0, 32)
+            other = tl.load(chunk_max + row * chunks + others, mask=others < chunks, other=float("-inf"))
+            reaching += tl.sum((other[None, :] >= maxima[:, None]).to(tl.int32), axis=1)
+        return tl.max(tl.where(reaching >= CANDIDATES, maxima, float("-inf")), axis=0)
+
+    @triton.jit
+    def _collect_kernel(logits, chunk_max, counts, keys, vocab, stride, chunks, CANDIDATES: tl.constexpr,
+                        CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr, LIST: tl.constexpr):
+        """Per (row, chunk): appends the chunk's logits that reach the row's threshold to the row's list of LIST
+        keys (slots taken atomically; the count goes on past LIST, nothing is written there)."""
+        row, chunk = tl.program_id(0), tl.program_id(1)
+        threshold = _threshold(chunk_max, row, chunks, CANDIDATES, CHUNKS_PAD)
+        if tl.load(chunk_max + row * chunks + chunk) >= threshold:
+            offsets = _chunk_offsets(chunk, chunks, CHUNK)
+            x = tl.load(logits + row * stride + offsets, mask=offsets < vocab, other=float("-inf")).to(tl.float32)
+            taken = ((x >= threshold) & (offsets < vocab)).to(tl.int32)
+            slots = tl.atomic_add(counts + row, tl.sum(taken, axis=0)) + tl.cumsum(taken, axis=0) - 1
+            tl.store(keys + row * LIST + slots, _ordered_keys(x, offsets), mask=(taken == 1) & (slots < LIST))
+
+    @triton.jit
+    def _count_reaching(logits, row, stride, vocab, key, BLOCK: tl.constexpr):
+        """How many of the row's logits have an `_order` of at least `key`."""
+        count = 0
+        for start in range(0, vocab, BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            x = tl.load(logits + row * stride + offsets, mask=offsets < vocab, other=float("-inf"))
+            count += tl.sum(((_order(x) >= key) & (offsets < vocab)).to(tl.int32), axis=0)
+        return count
+
+    @triton.jit
+    def _list_exactly(logits, chunk_max, keys, row, vocab, stride, chunks, CANDIDATES: tl.constexpr,
+                      CHUNKS_PAD: tl.constexpr, LIST: tl.constexpr, BLOCK: tl.constexpr):
+        """A list that overflowed (many logits tied at the threshold) made again, exactly CANDIDATES keys long: the
+        CANDIDATES-th largest logit found by bisecting its order key (a pass over the row a step), then the logits
+        above it and the first of those equal to it. Slow, and only for such rows."""
+        ranks = tl.arange(0, CHUNKS_PAD)
+        largest = tl.max(tl.load(chunk_max + row * chunks + ranks, mask=ranks < chunks, other=float("-inf")), axis=0)
+        low = _order(_threshold(chunk_max, row, chunks, CANDIDATES, CHUNKS_PAD)).to(tl.int64)
+        high = _order(largest).to(tl.int64) + 1
+        above = 0  # logits reaching `high`: fewer than CANDIDATES; `low` is reached by at least CANDIDATES
+        while high - low > 1:
+            middle = low + (high - low) // 2
+            count = _count_reaching(logits, row, stride, vocab, middle, BLOCK)
+            if count >= CANDIDATES:
+                low = middle
+            else:
+                high, above = middle, count
+        greater, equal = 0, 0
+        for start in range(0, vocab, BLOCK):
+            offsets = start + tl.arange(0, BLOCK)
+            x = tl.load(logits + row * stride + offsets, mask=offsets < vocab, other=float("-inf"))
+            order = _order(x)
+            is_greater = (order > low) & (offsets < vocab)
+            is_equal = (order == low) & (offsets < vocab)
+            slots = tl.where(is_greater, greater + tl.cumsum(is_greater.to(tl.int32), axis=0) - 1,
+                             above + equal + tl.cumsum(is_equal.to(tl.int32), axis=0) - 1)
+            tl.store(keys + row * LIST + slots, _ordered_keys(x, offsets),
+                     mask=(is_greater | is_equal) & (slots < CANDIDATES))
+            greater += tl.sum(is_greater.to(tl.int32), axis=0)
+            equal += tl.sum(is_equal.to(tl.int32), axis=0)
+
+    @triton.jit
+    def _select_and_draw_kernel(logits, chunk_max, counts, keys, temperature, top_k, top_p, noise, tokens, vocab,
+                                stride, chunks, CANDIDATES: tl.constexpr, CANDIDATES_PAD: tl.constexpr,
+                                CHUNKS_PAD: tl.constexpr, LIST: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: its CANDIDATES largest logits from its list (descending), then `sample_tokens`' math after the
+        selection and the draw."""
         row = tl.program_id(0)
-        ranks = tl.arange(0, BLOCK)
+        listed = tl.load(counts + row)
+        if listed > LIST:
+            _list_exactly(logits, chunk_max, keys, row, vocab, stride, chunks, CANDIDATES, CHUNKS_PAD, LIST, BLOCK)
+            tl.debug_barrier()  # the list was written by other threads of this program
+            listed = listed * 0 + CANDIDATES
+        slots = tl.arange(0, LIST)
+        unlisted = -0x7FFFFFFFFFFFFFFF  # below every key
+        best = tl.topk(tl.load(keys + row * LIST + slots, mask=slots < listed, other=unlisted), CANDIDATES_PAD)
+        scores = _order((best >> 32).to(tl.int32).to(tl.float32, bitcast=True)).to(tl.float32, bitcast=True)  # undone
+        ranks = tl.arange(0, CANDIDATES_PAD)
         live = ranks < CANDIDATES
-        scores = tl.load(selected + row * CANDIDATES + ranks, mask=live, other=float("-inf")).to(tl.float32)
-        scores = scores / tl.load(temperature + row)
+        scores = tl.where(live, scores, float("-inf")) / tl.load(temperature + row)
         scores = tl.where(ranks < tl.load(top_k + row), scores, float("-inf"))
         weights = tl.exp(scores - tl.max(scores, axis=0))  # rank 0 is always kept: a finite maximum
         probs = weights / tl.sum(weights, axis=0)
@@ -52,7 +162,8 @@ if triton is not None:
         probs = tl.where(mass_above >= tl.load(top_p + row), 0.0, probs)
         drawn = probs / tl.load(noise + row * CANDIDATES + ranks, mask=live, other=1.0)
         rank = tl.argmax(drawn, axis=0)  # the first of equal maxima, as torch's argmax
-        tl.store(tokens + row, tl.load(order + row * CANDIDATES + rank, mask=rank < CANDIDATES, other=0))
+        index = 0x7FFFFFFF - (tl.sum(tl.where(ranks == rank, best, 0), axis=0) & 0xFFFFFFFF)
+        tl.store(tokens + row, tl.minimum(tl.maximum(index, 0), vocab - 1))
 
     @triton.jit
     def _sorted_scores(selected, row, ranks, stride, temperature, top_k, vocab):
@@ -112,12 +223,28 @@ def sample_sorted(logits, temperature, top_k, top_p, split: int = 4096):
     return best_token.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
-def sample_candidates(logits, temperature, top_k, top_p, candidates: int):
-    """`sample_tokens` with `candidates`: the selection by torch, the rest in one launch. The noise is drawn as the
-    reference draws it (same shape, dtype and point in the stream), so a seed gives the same draws."""
-    selected, order = logits.topk(min(candidates, logits.shape[-1]), dim=-1)
-    noise = torch.empty(selected.shape, dtype=torch.float32, device=logits.device).exponential_()
-    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    launch(_sample_candidates_kernel, (logits.shape[0],), selected, order, temperature, top_k, top_p, noise, tokens,
-           CANDIDATES=selected.shape[1], BLOCK=triton.next_power_of_2(selected.shape[1]))
+def sample_candidates(logits, temperature, top_k, top_p, candidates: int, chunk: int = 2048, listed: int = 512):
+    """`sample_tokens` with `candidates`, in three launches: the largest logit of each chunk (`chunk` token ids, a
+    power of two of at least 16, interleaved in runs of 16); per chunk, its logits that reach the `candidates`-th
+    largest of those maxima, appended to the row's list (at least `candidates` logits reach it, so the largest all
+    do; typically a few more than `candidates`); per row, the `candidates` largest keys of its list (logit, then the
+    lower token id), then the draw. A list past `listed` keys (a power of two, at least `candidates`; many logits
+    at that threshold) is made again exactly by the last launch, slowly (bisecting the row's values, one pass a step:
+    about 2 ms for the 2B's vocabulary on an H200). The noise is drawn as the reference draws it (same shape, dtype
+    and point in the stream), so a seed gives the same draws."""
+    rows, vocab = logits.shape
+    candidates = min(candidates, vocab)
+    chunks = triton.cdiv(vocab, chunk)
+    chunks_pad = triton.next_power_of_2(max(chunks, candidates, 32))
+    noise = torch.empty(rows, candidates, dtype=torch.float32, device=logits.device).exponential_()
+    chunk_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    counts = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    keys = torch.empty(rows, listed, dtype=torch.int64, device=logits.device)
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    launch(_chunk_max_kernel, (rows, chunks), logits, chunk_max, counts, vocab, logits.stride(0), chunks, CHUNK=chunk)
+    launch(_collect_kernel, (rows, chunks), logits, chunk_max, counts, keys, vocab, logits.stride(0), chunks,
+           CANDIDATES=candidates, CHUNK=chunk, CHUNKS_PAD=chunks_pad, LIST=listed)
+    launch(_select_and_draw_kernel, (rows,), logits, chunk_max, counts, keys, temperature, top_k, top_p, noise, tokens,
+           vocab, logits.stride(0), chunks, CANDIDATES=candidates, CANDIDATES_PAD=triton.next_power_of_2(candidates),
+           CHUNKS_PAD=chunks_pad, LIST=listed, BLOCK=1024)
     return tokens

@@ -3,9 +3,12 @@
 The sampler alone on random bf16 logits of the 2B's vocabulary (151,936) at 1 and 8 rows, Qwen's default settings
 (temperature 0.7, top-k 20, top-p 0.8) and top-p alone: the torch reference (`sample_tokens`) on the logits as the
 step hands them over, the same after `.float()` (the order the step used before: every pass over float32 scores),
-and the Triton forms (`sample_candidates` / `sample_sorted`). Timed as the tuner times a candidate (its own CUDA
-graph between two small kernels, L2 flushed, median of 20). Each form's tokens are checked against the reference's
-with the same seed. Run: python bench/probes/sampler_probe.py
+and the Triton forms (`sample_candidates` / `sample_sorted`); beside them greedy's argmax, and for the top-k setting
+torch's top-k alone (the selection the Triton form replaces), other chunk and list sizes (4096-logit chunks are
+fewer than 64: every list overflows), a list too short (the exact slow path), and logits rounded to integers. Timed
+as the tuner times a candidate (its own CUDA graph between two small kernels, L2 flushed, median of 20). Each form's
+tokens are checked against the reference's with the same seed (ties at the selection's edge may part them: the
+rounded logits). Run: python bench/probes/sampler_probe.py
 """
 
 import json
@@ -23,6 +26,7 @@ from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
 
 VOCAB = 151_936
 SETTINGS = {"qwen_defaults": (0.7, 20, 0.8), "top_p_only": (0.7, VOCAB, 0.8)}
+CHUNK_FORMS = [(512, 512), (1024, 512), (2048, 256), (4096, 512)]  # besides the default (2048, 512)
 
 rows_out = []
 for rows in (1, 8):
@@ -37,14 +41,26 @@ for rows in (1, 8):
             "reference_float32_scores": lambda: sample_tokens(logits.float(), t, k, p, count),
             "triton": (lambda: sample_candidates(logits, t, k, p, count)) if count else
                       (lambda: sample_sorted(logits, t, k, p)),
+            "argmax": lambda: logits.argmax(dim=-1),  # what greedy decoding pays instead (inside its step's end)
         }
+        if count:
+            forms["torch_topk_alone"] = lambda: logits.topk(count, dim=-1)[1][:, 0]  # the selection replaced
+            for chunk, listed in CHUNK_FORMS:
+                forms[f"triton_chunk_{chunk}_list_{listed}"] = (
+                    lambda chunk=chunk, listed=listed: sample_candidates(logits, t, k, p, count, chunk, listed))
+            # A list of only `count` keys overflows: the last launch selects exactly (the slow path).
+            forms["triton_exact_selection"] = lambda: sample_candidates(logits, t, k, p, count, listed=count)
+            tied = logits.round()  # few distinct values: many ties at the threshold
+            forms["triton_tied_logits"] = lambda: sample_candidates(tied, t, k, p, count)
+            forms["reference_tied_logits"] = lambda: sample_tokens(tied, t, k, p, count)
         tokens = {}
         for form, call in forms.items():
             torch.manual_seed(0)
             tokens[form] = call()
         times = KernelTuner().time_calls(list(forms.values()))
+        reference = {form: tokens["reference_tied_logits" if "tied" in form else "reference"] for form in forms}
         row = {"rows": rows, "settings": name, "us": dict(zip(forms, times)),
-               "tokens_equal_reference": {form: bool(torch.equal(got, tokens["reference"])) for form, got in tokens.items()}}
+               "tokens_equal_reference": {form: bool(torch.equal(tokens[form], reference[form])) for form in forms}}
         rows_out.append(row)
         print(json.dumps(row), flush=True)
 out = os.environ.get("OUT", "bench/results")

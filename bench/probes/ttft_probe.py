@@ -1,7 +1,8 @@
 """Where a TTFT goes, and what a decode step's GPU time is made of (H200): the stage split of one
 `generate(max_new_tokens=1)` on a 448x448 image prompt (vision, prefill, M-RoPE index, the rest), TTFT without the
 vision tower run ahead, the tower eagerly at its exact size and with the stock Conv3d patch embedding, kernel profiles
-of a batch-1 decode step and of the call's vision tower and prefill, and the host time of one call by function.
+of a batch-1 decode step and of the call's vision tower and prefill, the host time of one call by function, and the
+call's timeline: when the GPU first gets work, and each gap in its work with what the host was doing then.
 
 The probe wraps runner methods to time them (the benchmark never does). Run: `python bench/probes/ttft_probe.py`
 (writes $OUT/ttft-probe.json, or bench/results/ttft-probe.json).
@@ -11,6 +12,7 @@ import cProfile
 import json
 import os
 import pstats
+import tempfile
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -95,6 +97,40 @@ def kernel_profile(call, calls=1) -> dict:
     return {"gpu_ms_total": sum(by_class.values()), "ms_by_class": by_class, "top_kernels_ms": top}
 
 
+def timeline(call, gap_us=20.0) -> dict:
+    """One `call()` under the profiler (host Python stacks and GPU work): when the GPU first and last works, relative
+    to the call's start, how long it is busy, and each gap of at least `gap_us` with the innermost Python functions
+    and the CUDA runtime calls running at its middle (what the GPU waits for). The profiler slows the host, so the
+    host's share is overstated; the order of events is what this shows."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                with_stack=True) as prof:
+        call()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = [event for event in json.load(open(trace.name))["traceEvents"] if event.get("ph") == "X"]
+    gpu_kinds = ("kernel", "gpu_memcpy", "gpu_memset")
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in gpu_kinds)
+    python = [e for e in events if e.get("cat") == "python_function"]
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    start = min(e["ts"] for e in python)
+    busy, gaps, end = 0.0, [], gpu[0][0]
+    for began, ended in gpu:
+        if began - end >= gap_us:
+            middle = (end + began) / 2
+
+            def running(kind, middle=middle):
+                return sorted((e for e in kind if e["ts"] <= middle <= e["ts"] + e["dur"]), key=lambda e: e["dur"])
+
+            gaps.append({"at_us": round(end - start, 1), "us": round(began - end, 1),
+                         "python": [e["name"][:80] for e in running(python)[:4]],
+                         "cuda_runtime": [e["name"] for e in running(runtime)]})
+        busy += max(0.0, ended - max(began, end))
+        end = max(end, ended)
+    return {"first_gpu_work_us": round(gpu[0][0] - start, 1), "last_gpu_work_us": round(end - start, 1),
+            "gpu_busy_us": round(busy, 1), "gaps": gaps}
+
+
 def kernel_breakdown(model, image) -> dict:
     """Where the GPU time goes: one greedy decode step (batch 1), and the vision tower and prefill of `image`."""
     engine = model.graph_engine()
@@ -143,6 +179,7 @@ def main() -> None:
                                                                                            **rope_inputs))
     result["gpu_profile"] = kernel_breakdown(ours, image)
     result["host_profile_ms"] = host_profile(lambda: timed_generate(ours, image, 1))
+    result["timeline"] = timeline(lambda: timed_generate(ours, image, 1))
     out = Path(os.environ.get("OUT", "bench/results")) / "ttft-probe.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
