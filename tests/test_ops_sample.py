@@ -11,6 +11,12 @@ from qwen3vl_static.ops_sample_qwen3vl_graph import sample_candidates, sample_so
 pytestmark = needs_triton
 
 
+def lowest_id_first(logits):
+    """`logits` in float64 less an offset far below their spacing: equal logits ordered by token id, as the Triton
+    selection orders them (torch's top-k leaves ties in no set order; bfloat16 logits tie often)."""
+    return logits.double() - 1e-12 * torch.arange(logits.shape[-1], device=logits.device)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("chunk, listed", [(32, 64), (1024, 32)])
 def test_sample_from_candidates_draws_the_reference_tokens(dtype, chunk, listed):
@@ -25,7 +31,7 @@ def test_sample_from_candidates_draws_the_reference_tokens(dtype, chunk, listed)
     top_p = torch.rand(rows, generator=generator).to(DEVICE)
     top_p[::4] = float("inf")  # no top-p on a quarter of the rows, as the runner stores it
     torch.manual_seed(1)
-    expected = sample_tokens(logits, temperature, top_k, top_p, candidates)
+    expected = sample_tokens(lowest_id_first(logits), temperature, top_k, top_p, candidates)
     torch.manual_seed(1)
     got = sample_candidates(logits, temperature, top_k, top_p, candidates, chunk=chunk, listed=listed)
     # Only a float32 rounding of the top-p boundary or of a near-tied draw may part them.
@@ -38,16 +44,14 @@ def test_sample_from_candidates_draws_the_reference_tokens(dtype, chunk, listed)
 @pytest.mark.parametrize("listed", [512, 16])
 def test_candidates_tied_at_the_edge_are_the_lowest_token_ids(listed):
     """Logits of four values, each taken by ~150 tokens: the candidates tied at the selection's edge are the lowest
-    token ids, within the list or (a list of 16 overflowed) by the exact selection. The reference is given the same
-    order by a tie-breaking offset far below the logits' spacing."""
+    token ids, within the list or (a list of 16 overflowed) by the exact selection."""
     rows, vocab, candidates = 8, 600, 16
     generator = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 4, (rows, vocab), generator=generator).to(DEVICE, DTYPES[0])
     temperature, top_p = torch.ones(rows, device=DEVICE), torch.full((rows,), float("inf"), device=DEVICE)
     top_k = torch.full((rows,), candidates, device=DEVICE)
-    tie_broken = logits.double() - 1e-6 * torch.arange(vocab, device=DEVICE)
     torch.manual_seed(1)
-    expected = sample_tokens(tie_broken, temperature, top_k, top_p, candidates)
+    expected = sample_tokens(lowest_id_first(logits), temperature, top_k, top_p, candidates)
     torch.manual_seed(1)
     got = sample_candidates(logits, temperature, top_k, top_p, candidates, chunk=32, listed=listed)
     assert torch.equal(got, expected)
