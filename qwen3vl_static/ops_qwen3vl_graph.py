@@ -259,8 +259,8 @@ class TritonOps(TorchOps):
         return decode_rotary(rotary_emb, hidden, positions, components)
 
     def sample(self, logits, temperature, top_k, top_p, candidates=None):
-        """`sample_tokens` after the selection in Triton launches: over a few candidates (`sample_candidates`) or the
-        sorted vocabulary (`sample_sorted`)."""
+        """`sample_tokens` in Triton launches: a top-k within `candidates` selected and drawn by them
+        (`sample_candidates`); otherwise drawn by them after torch sorts the vocabulary (`sample_sorted`)."""
         if candidates is None:
             return sample_sorted(logits, temperature, top_k, top_p)
         return sample_candidates(logits, temperature, top_k, top_p, candidates)
