@@ -18,12 +18,12 @@ def lowest_id_first(logits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("chunk, listed", [(32, 64), (1024, 32)])
+@pytest.mark.parametrize("chunk, listed", [(64, 64), (1024, 32)])
 def test_sample_from_candidates_draws_the_reference_tokens(dtype, chunk, listed):
-    """Candidates selected through chunks of 32 logits (19 a row, two interleaved runs of 16 each; the 16th largest
+    """Candidates selected through chunks of 64 logits (10 a row, four interleaved runs of 16 each; the 8th largest
     of their maxima the threshold) or through one chunk whose 600 logits overflow a list of 32 keys (the exact
     selection)."""
-    rows, vocab, candidates = 32, 600, 16
+    rows, vocab, candidates = 16, 600, 8
     generator = torch.Generator().manual_seed(0)
     logits = 3 * randn(rows, vocab, dtype=dtype)
     temperature = (0.5 + torch.rand(rows, generator=generator)).to(DEVICE)
@@ -35,17 +35,17 @@ def test_sample_from_candidates_draws_the_reference_tokens(dtype, chunk, listed)
     torch.manual_seed(1)
     got = sample_candidates(logits, temperature, top_k, top_p, candidates, chunk=chunk, listed=listed)
     # Only a float32 rounding of the top-p boundary or of a near-tied draw may part them.
-    assert (got == expected).float().mean() >= 0.96
+    assert (got == expected).float().mean() >= 15 / 16
     ranks = (logits > logits.gather(1, got[:, None])).sum(dim=1)  # how many logits beat each drawn token
     assert bool((ranks < top_k).all())  # always within its row's top-k
-    assert len(set(got.tolist())) > 12  # drawn, not a constant
+    assert len(set(got.tolist())) > 8  # drawn, not a constant
 
 
-@pytest.mark.parametrize("listed", [512, 16])
+@pytest.mark.parametrize("listed", [128, 16])
 def test_candidates_tied_at_the_edge_are_the_lowest_token_ids(listed):
-    """Logits of four values, each taken by ~150 tokens: the candidates tied at the selection's edge are the lowest
+    """Logits of four values, each taken by ~75 tokens: the candidates tied at the selection's edge are the lowest
     token ids, within the list or (a list of 16 overflowed) by the exact selection."""
-    rows, vocab, candidates = 8, 600, 16
+    rows, vocab, candidates = 8, 300, 16
     generator = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 4, (rows, vocab), generator=generator).to(DEVICE, DTYPES[0])
     temperature, top_p = torch.ones(rows, device=DEVICE), torch.full((rows,), float("inf"), device=DEVICE)
@@ -53,7 +53,7 @@ def test_candidates_tied_at_the_edge_are_the_lowest_token_ids(listed):
     torch.manual_seed(1)
     expected = sample_tokens(lowest_id_first(logits), temperature, top_k, top_p, candidates)
     torch.manual_seed(1)
-    got = sample_candidates(logits, temperature, top_k, top_p, candidates, chunk=32, listed=listed)
+    got = sample_candidates(logits, temperature, top_k, top_p, candidates, chunk=16, listed=listed)
     assert torch.equal(got, expected)
 
 
@@ -62,7 +62,7 @@ def test_candidates_tied_at_the_edge_are_the_lowest_token_ids(listed):
 def test_sample_over_the_sorted_vocabulary_draws_the_reference_tokens(dtype, split):
     """The same over the whole sorted vocabulary (no top-k, or one past the candidates), in splits of 64 ranks (five
     per row here, the mass above each rank carried across them) or one split."""
-    rows, vocab = 256, 300
+    rows, vocab = 128, 300
     generator = torch.Generator().manual_seed(0)
     logits = 3 * randn(rows, vocab, dtype=dtype)
     temperature = (0.5 + torch.rand(rows, generator=generator)).to(DEVICE)
