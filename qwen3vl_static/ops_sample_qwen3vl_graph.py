@@ -1,8 +1,8 @@
 """The in-graph sampler: temperature, top-k, top-p (transformers' warper semantics, per-row parameters) and a draw.
 The torch reference sorts (or, for a top-k of at most `candidates`, partially selects) the raw logits. The Triton
-forms: for a top-k within the candidates, three launches from the logits to the drawn token (no torch selection: its
-radix passes cost more than the rest of the sampler); over the whole vocabulary, torch's sort, then two launches over
-splits of it, instead of a dozen passes."""
+forms: for a top-k within the candidates, three launches from the logits to the drawn token (torch's top-k alone
+took longer than all three); over the whole vocabulary, torch's sort, then two launches over splits of it, instead of
+a dozen passes."""
 
 import torch
 
