@@ -93,6 +93,14 @@ def prompt_positions(model, input_ids, model_kwargs, start: int = 0) -> torch.Te
     return positions
 
 
+def generate_position_ids(model, input_ids, model_kwargs) -> torch.Tensor | None:
+    """The position ids that `generate` computes before its loop for a fresh prompt with these inputs (5.x), or None
+    (4.57: the prefill computes them, `prompt_positions`)."""
+    if not hasattr(model, "_prepare_position_ids_for_generation"):
+        return None
+    return model._prepare_position_ids_for_generation(input_ids, dict(model_kwargs))
+
+
 def first_decode_positions(model, model_kwargs, positions, prompt_len: int) -> torch.Tensor:
     """M-RoPE T/H/W positions `(3, B, 1)` of the first generated token, after the prompt's `positions`."""
     if model_kwargs.get("position_ids") is not None:  # 5.x: one past the prompt's last

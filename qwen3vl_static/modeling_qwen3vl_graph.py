@@ -15,6 +15,7 @@ fine-grained FP8 weights run on the fast path: fp8_qwen3vl_graph.py).
 
 import threading
 from contextlib import contextmanager, nullcontext
+from operator import is_
 
 import torch
 from transformers.generation.configuration_utils import GenerationMode
@@ -28,6 +29,7 @@ from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 from .engine_qwen3vl_graph import GraphEngine
 from .fp8_qwen3vl_graph import unsupported_weights
 from .loops_qwen3vl_graph import device_loop, device_plan, host_loop
+from .prefill_ahead_qwen3vl_graph import prefill_ahead
 from .vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed, Qwen3VLGraphVisionModel
 
 # transformers 4.57 copies into its module cache only the files that the modeling file imports itself (later releases
@@ -62,20 +64,40 @@ class Qwen3VLGraphModel(Qwen3VLModel):
     # What the stock `get_rope_index` reads, by name in every supported release. 5.x `generate` passes every model
     # input along (the pixels too): the others stay where they are.
     _ROPE_INDEX_INPUTS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "attention_mask")
+    _rope_index_kept = None  # within `rope_index_kept`: (inputs, result) of the last call, or ()
 
     def get_rope_index(self, input_ids=None, *args, **kwargs):
         """The stock M-RoPE positions and offsets, computed on host copies of the inputs and returned to their device.
         Stock loops over rows and images in small tensor ops with host reads, each a kernel launch or a sync on a GPU:
-        it is host work on the way to the first token (for one image on an H200 host: 0.89 ms, on copies 0.52)."""
+        it is host work on the way to the first token (for one image on an H200 host: 0.89 ms, on copies 0.52).
+        Within `rope_index_kept`, a call on the very same tensors as the last one returns its result."""
+        inputs = (input_ids, *args, *(kwargs.get(key) for key in self._ROPE_INDEX_INPUTS))
+        kept = self._rope_index_kept
+        if kept and len(kept[0]) == len(inputs) and all(map(is_, kept[0], inputs)):
+            return kept[1]
         if not isinstance(input_ids, torch.Tensor) or input_ids.device.type == "cpu":
-            return super().get_rope_index(input_ids, *args, **kwargs)
+            result = super().get_rope_index(input_ids, *args, **kwargs)
+        else:
+            def on_host(value):
+                return value.cpu() if isinstance(value, torch.Tensor) else value
 
-        def on_host(value):
-            return value.cpu() if isinstance(value, torch.Tensor) else value
+            on_host_kwargs = {key: on_host(value) if key in self._ROPE_INDEX_INPUTS else value
+                              for key, value in kwargs.items()}
+            positions, offsets = super().get_rope_index(input_ids.cpu(), *map(on_host, args), **on_host_kwargs)
+            result = positions.to(input_ids.device), offsets.to(input_ids.device)
+        if kept is not None:
+            self._rope_index_kept = (inputs, result)
+        return result
 
-        kwargs = {key: on_host(value) if key in self._ROPE_INDEX_INPUTS else value for key, value in kwargs.items()}
-        positions, offsets = super().get_rope_index(input_ids.cpu(), *map(on_host, args), **kwargs)
-        return positions.to(input_ids.device), offsets.to(input_ids.device)
+    @contextmanager
+    def rope_index_kept(self):
+        """Within: `get_rope_index` answers a call on the very tensors of the last one with its result. A prompt
+        prefilled ahead computed it before `generate` does: `generate`'s host copies would wait for that prefill."""
+        self._rope_index_kept = ()
+        try:
+            yield
+        finally:
+            self._rope_index_kept = None
 
 
 class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
@@ -100,6 +122,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         self._generate_lock = threading.RLock()
         # While continuous batching admits a request: `generate` prefills it into that `Admission`'s free row.
         self._admission = None
+        self._prefilled = None  # the call's `PrefilledAhead`, until its loop takes it
 
     def generate(self, *args, **kwargs):
         with self._generate_lock, self.backend_flags():
@@ -110,14 +133,20 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 return super().generate(*args, **kwargs)
             # Before generate's own steps: transformers 5.2x runs the vision tower early.
             vision = engine.vision
-            # The tower runs on the side stream while generate prepares its inputs (host work, ~3 ms on an H200
-            # host); whichever path encodes the images then takes the result.
+            # The tower runs on the side stream and the prompt's prefill after it (prefill_ahead_qwen3vl_graph.py)
+            # while generate prepares its loop (host work, ~3 ms on an H200 host); the loop then takes the results.
             videos = kwargs.get("pixel_values_videos") is not None
             vision.encode_ahead(kwargs.get("pixel_values"), kwargs.get("image_grid_thw"), videos=videos)
             try:
-                return super().generate(*args, **kwargs)
+                with self.model.rope_index_kept():
+                    self._prefilled = prefill_ahead(self, args, kwargs)
+                    return super().generate(*args, **kwargs)
             finally:
-                vision.join_ahead()  # not taken (an error, or a path that never encoded): its buffers are free again
+                vision.join_ahead()  # its buffers are free again
+                if self._prefilled is not None:  # the loop never took it: what the prefill wrote is no conversation
+                    self._prefilled.join()
+                    self._prefilled = None
+                    engine.cache.clear()
 
     @contextmanager
     def backend_flags(self):
@@ -287,6 +316,9 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         engine = self._engine
         cache = engine.cache if engine is not None else None
         static = engine is not None and model_kwargs.get(CACHE_KWARG) is cache
+        prefilled = None
+        if static:  # whichever loop runs next writes this cache from slot 0 or from what it holds, and records it
+            prefilled, self._prefilled = self._prefilled, None
         start = _cached_prefix(cache, input_ids, model_kwargs) if static else None
         if synced_gpus or start is None:
             if static:  # transformers' loop on the static cache: what it then holds is not recorded
@@ -296,7 +328,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
             )
-        logits, positions = self._prefill_prompt(input_ids, model_kwargs, start)
+        if prefilled is not None and prefilled.serves(input_ids, model_kwargs, start):
+            logits, positions = prefilled.join()
+        else:
+            logits, positions = self._prefill_prompt(input_ids, model_kwargs, start)
         engine.decode.start(first_decode_positions(self, model_kwargs, positions, input_ids.shape[1]),
                             model_kwargs.get("attention_mask"), input_ids.shape[1])
         plan = device_plan(logits_processor, stopping_criteria, generation_config)
@@ -316,26 +351,32 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                                    tuple(raw_logits) if raw_logits else None, cache)
         return sequences
 
-    def _prefill_prompt(self, input_ids, model_kwargs, start: int, rows=None):
+    def _prefill_prompt(self, input_ids, model_kwargs, start: int, rows=None, stream=None):
         """Vision tower and prefill of the prompt's tokens from slot `start` on (the cache holds the ones before) into
         the static cache's rows `rows` (a tensor; None: the first rows); returns the float32 logits of the last
-        position and the new tokens' M-RoPE positions."""
+        position and the new tokens' M-RoPE positions. `stream`: a CUDA stream to queue the tower and the prefill on,
+        after the host reads and what the current stream has queued (None: the current stream)."""
         new = input_ids[:, start:]
-        # Whether the prompt has padding: a host read before the tower is queued (a read after it would wait for it).
+        # The host reads first: after the tower is queued on their stream they would wait for it.
         attention_mask = model_kwargs.get("attention_mask")
         padded = attention_mask is not None and bool((attention_mask == 0).any())
-        media = media_features(self, model_kwargs)  # placeholders and features agree (`_check_generate_inputs`)
-        # Placeholders of a kind with no features are embedded as text, as stock does.
-        modality = torch.zeros_like(new)
-        visual, deepstack = None, ()
-        if media:
-            for kind, token, _, _ in media:
-                modality += (new == token) * (1 if kind == "image" else 2)
-            visual = torch.cat([features for _, _, features, _ in media])
-            deepstack = [torch.cat(layer) for layer in zip(*(layers for _, _, _, layers in media))]
-        positions = prompt_positions(self, input_ids, model_kwargs, start)
-        logits = self._engine.prefill.run(new, attention_mask, positions, modality, visual, deepstack, padded, start,
-                                          rows=rows)
+        positions = prompt_positions(self, input_ids, model_kwargs, start)  # 4.57: on host copies
+        queued_on = nullcontext()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            queued_on = torch.cuda.stream(stream)
+        with queued_on:
+            media = media_features(self, model_kwargs)  # placeholders and features agree (`_check_generate_inputs`)
+            # Placeholders of a kind with no features are embedded as text, as stock does.
+            modality = torch.zeros_like(new)
+            visual, deepstack = None, ()
+            if media:
+                for kind, token, _, _ in media:
+                    modality += (new == token) * (1 if kind == "image" else 2)
+                visual = torch.cat([features for _, _, features, _ in media])
+                deepstack = [torch.cat(layer) for layer in zip(*(layers for _, _, _, layers in media))]
+            logits = self._engine.prefill.run(new, attention_mask, positions, modality, visual, deepstack, padded,
+                                              start, rows=rows)
         return logits, positions
 
 

@@ -105,6 +105,16 @@ def cloned(outputs):
     return hidden.clone(), merged.clone(), [part.clone() for part in deepstack]
 
 
+class EncodedAhead(NamedTuple):
+    """What `encode_ahead` queued: for the call's `grid_thw` tensor, its grids read on the host, the pixels' shape,
+    and the event its tower run records."""
+
+    grid_thw: torch.Tensor
+    grids: list
+    pixel_shape: tuple
+    done: torch.cuda.Event
+
+
 class Qwen3VLGraphVisionModel(Qwen3VLVisionModel):
     """The stock vision tower; with a `runner` attached and grad disabled, its forward runs on the runner (same
     outputs). With grad enabled (training) it is the stock forward: the runner's tables and buffers carry no autograd
@@ -172,7 +182,7 @@ class VisionRunner(GraphRunner):
         self.hidden = buffer(patches, config.hidden_size)
         self.merged = buffer(merged, config.out_hidden_size)
         self.deepstack = buffer(len(self.deepstack_mergers), merged, config.out_hidden_size)
-        self.ahead = None  # `encode_ahead`'s pending result
+        self.ahead = None  # `encode_ahead`'s pending `EncodedAhead`
 
     def current(self) -> bool:
         """False once the tower's weights were replaced or moved (graphs hold their addresses)."""
@@ -214,11 +224,16 @@ class VisionRunner(GraphRunner):
     def encode(self, pixel_values, grid_thw):
         """`(last hidden states (patches, hidden), merged tokens (n, out_hidden), DeepStack features
         [(n, out_hidden)])` for all images of the call, in order; new tensors (the next call reuses the buffers)."""
-        grids = [tuple(grid) for grid in grid_thw.tolist()]  # the one host read of a vision call
+        ahead = self.ahead
+        if ahead is not None and grid_thw is ahead.grid_thw:  # read already: a read now would wait for the tower
+            grids = ahead.grids
+        else:
+            grids = [tuple(grid) for grid in grid_thw.tolist()]  # the one host read of a vision call
         patches = pixel_values.shape[0]
-        ahead = self.join_ahead()
-        if ahead is not None and ahead[:2] == (grids, tuple(pixel_values.shape)):
+        if ahead is not None and (ahead.grids, ahead.pixel_shape) == (grids, tuple(pixel_values.shape)):
+            torch.cuda.current_stream().wait_event(ahead.done)
             return cloned(self.outputs(patches))
+        self.join_ahead()  # its buffers are overwritten next
         if patches != sum(t * h * w for t, h, w in grids):
             raise ValueError(
                 f"The pixel values hold {patches} patches but grid_thw {grids} describes "
@@ -268,8 +283,9 @@ class VisionRunner(GraphRunner):
     def encode_ahead(self, pixel_values, grid_thw, videos: bool = False) -> None:
         """Start encoding a `generate` call's images on the side stream as the call begins, so that the tower runs
         while `generate` prepares its inputs: that is host work, with host reads that would wait for a tower queued
-        on the default stream. The next `encode` takes the result when it gets the same grids and pixel shape (the
-        call's images are encoded first, in every supported release), else it waits for it and encodes anew.
+        on the default stream. Each `encode` of the call takes the result when it gets the same grids and pixel shape
+        (the call's images: a prompt prefilled ahead, then 5.2x's `generate` itself, encode them), until one that does
+        not waits for it and encodes anew, or `join_ahead` ends the call.
         Only a call that is one chunk, whose graph is already captured, runs ahead; anything else is left to `encode`.
         A call that also has `videos` does not run ahead: the tower cannot tell an image from a video, so a video of
         the same grid and pixel shape encoded first would take the images' features."""
@@ -297,15 +313,15 @@ class VisionRunner(GraphRunner):
         # memory to the default stream's next kernels while `load` still copies from it.
         for tensor in (pixel_values, *(part for entry in tables for part in entry)):
             tensor.record_stream(stream)
-        self.ahead = (grids, tuple(pixel_values.shape), done)  # one left untaken ran before it on the same stream
+        # One left untaken ran before it on the same stream.
+        self.ahead = EncodedAhead(grid_thw, grids, tuple(pixel_values.shape), done)
 
-    def join_ahead(self):
-        """The encoding run ahead, `(grids, pixel shape, event)`, or None; the current stream waits for it (its
-        buffers are read or overwritten next). Clears it: it serves one `encode`."""
+    def join_ahead(self) -> None:
+        """The current stream waits for the encoding run ahead, if any (its buffers are overwritten next), which then
+        serves no later `encode`."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
-            torch.cuda.current_stream().wait_event(ahead[2])
-        return ahead
+            torch.cuda.current_stream().wait_event(ahead.done)
 
     def load(self, pixel_values, tables, chunk) -> None:
         """A chunk's pixels and position tables into the buffers (one copy each)."""

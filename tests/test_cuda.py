@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from qwen3vl_static import Qwen3VLGraphForConditionalGeneration, ops_attention_qwen3vl_graph
+from qwen3vl_static import Qwen3VLGraphForConditionalGeneration, modeling_qwen3vl_graph, ops_attention_qwen3vl_graph
 from qwen3vl_static.capture_qwen3vl_graph import GraphCapturer
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG, returned_cache, vision_features
 from qwen3vl_static.ops_qwen3vl_graph import TorchOps, TritonOps
@@ -312,6 +312,27 @@ def test_vision_runs_ahead_on_the_side_stream(models, monkeypatch):
         got = runner.encode(other["pixel_values"], other["image_grid_thw"])
     assert runner.ahead is None
     assert all(torch.equal(a, b) for a, b in zip([got[0], got[1], *got[2]], [expected[0], expected[1], *expected[2]]))
+
+
+def test_the_prompt_is_prefilled_ahead_on_the_side_stream(models, monkeypatch):
+    """A fresh prompt's prefill is queued on the side stream before transformers prepares the loop, once; tokens equal
+    the eager static path's and those of the loop's own prefill (prefill ahead off)."""
+    ours, _ = models
+    runner = ours._engine.prefill
+    generator = torch.Generator().manual_seed(12)
+    for prompt in (image_prompt(ours.config, "cuda", generator),
+                   left_padded(text_prompt(ours.config, 4, 180, "cuda", generator), [0, 7, 30, 101])):
+        generate(ours, prompt, 8)  # captures this size's graphs
+        streams = []
+        run = runner.run
+        monkeypatch.setattr(runner, "run", lambda *args, **kwargs: (streams.append(torch.cuda.current_stream()),
+                                                                   run(*args, **kwargs))[1])
+        graph = generate(ours, prompt, 64)
+        assert streams == [runner.capturer.side_stream()]
+        assert graph.tolist() == generate(ours, prompt, 64, graphs=False).tolist()
+        monkeypatch.setattr(modeling_qwen3vl_graph, "prefill_ahead", lambda *args: None)
+        assert graph.tolist() == generate(ours, prompt, 64).tolist()
+        monkeypatch.undo()
 
 
 def test_bucket_switch_mid_generation(models):
