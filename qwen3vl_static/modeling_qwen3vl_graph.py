@@ -126,23 +126,26 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     def generate(self, *args, **kwargs):
         with self._generate_lock, self.backend_flags():
-            # Before anything is queued or written (a bad token id would fail inside a CUDA kernel).
-            _check_generate_inputs(self.config, kwargs.get("input_ids", args[0] if args else None), kwargs)
-            engine = self._current_engine()
-            if engine is None:  # weights the kernels do not take (warned): transformers' modules and loop
-                return super().generate(*args, **kwargs)
-            # Before generate's own steps: transformers 5.2x runs the vision tower early.
-            vision = engine.vision
-            # The tower runs on the side stream and the prompt's prefill after it (prefill_ahead_qwen3vl_graph.py)
-            # while generate prepares its loop (host work, ~3 ms on an H200 host); the loop then takes the results.
-            videos = kwargs.get("pixel_values_videos") is not None
-            vision.encode_ahead(kwargs.get("pixel_values"), kwargs.get("image_grid_thw"), videos=videos)
+            engine = self._current_engine()  # None: weights the kernels do not take (warned)
+            if engine is not None:
+                # The tower starts on the side stream as the call begins (it reads only the pixels and the grids,
+                # which it checks itself, into its own buffers), then the prompt's prefill after it
+                # (prefill_ahead_qwen3vl_graph.py), while generate prepares its loop (host work, ~3 ms on an H200
+                # host); the loop then takes the results. (Before generate's own steps: 5.2x runs the tower early.)
+                videos = kwargs.get("pixel_values_videos") is not None
+                engine.vision.encode_ahead(kwargs.get("pixel_values"), kwargs.get("image_grid_thw"), videos=videos)
             try:
+                # Before anything is written (a bad token id would fail inside a CUDA kernel). Its host read waits
+                # for the default stream only, not for the tower.
+                _check_generate_inputs(self.config, kwargs.get("input_ids", args[0] if args else None), kwargs)
+                if engine is None:  # transformers' modules and loop
+                    return super().generate(*args, **kwargs)
                 with self.model.rope_index_kept():
                     self._prefilled = prefill_ahead(self, args, kwargs)
                     return super().generate(*args, **kwargs)
             finally:
-                vision.join_ahead()  # its buffers are free again
+                if engine is not None:
+                    engine.vision.join_ahead()  # its buffers are free again
                 if self._prefilled is not None:  # the loop never took it: what the prefill wrote is no conversation
                     self._prefilled.join()
                     self._prefilled = None
