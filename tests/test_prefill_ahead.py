@@ -91,3 +91,22 @@ def test_a_call_failing_after_prefilling_ahead_leaves_the_cache_empty(tiny_pair,
     second = {"input_ids": input_ids, "attention_mask": input_ids.new_ones(input_ids.shape)}
     got = ours.generate(**second, **GREEDY, **{CACHE_KWARG: returned_cache(got_first)})
     assert got.tolist() == stock.generate(**second, **GREEDY, **{CACHE_KWARG: returned_cache(expected_first)}).tolist()
+
+
+def test_the_rope_index_is_kept_for_the_very_same_tensors_only(tiny_pair):
+    """Within a call, `generate`'s own M-RoPE index of a prompt prefilled ahead is the one computed ahead; any other
+    tensors are computed anew, and outside a call nothing is kept."""
+    ours, stock = tiny_pair
+    model_inputs = build(PROMPTS["image and text, padded"])
+    input_ids = model_inputs["input_ids"]
+    kwargs = {key: model_inputs[key] for key in ("mm_token_type_ids", "image_grid_thw", "attention_mask")
+              if key in model_inputs}
+    expected = stock.model.get_rope_index(input_ids, **kwargs)
+    with ours.model.rope_index_kept():
+        first = ours.model.get_rope_index(input_ids, **kwargs)
+        assert ours.model.get_rope_index(input_ids, **kwargs) is first
+        other = ours.model.get_rope_index(input_ids.clone(), **kwargs)
+        assert other is not first
+    assert ours.model.get_rope_index(input_ids, **kwargs) is not first
+    for got in (first, other):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
