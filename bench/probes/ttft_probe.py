@@ -1,8 +1,9 @@
 """Where a TTFT goes, and what a decode step's GPU time is made of (H200): the stage split of one
 `generate(max_new_tokens=1)` on a 448x448 image prompt (vision, prefill, M-RoPE index, the rest), TTFT without the
-prompt prefilled ahead and without the vision tower run ahead either, the tower eagerly at its exact size and with the stock Conv3d patch embedding, kernel profiles
-of a batch-1 decode step and of the call's vision tower and prefill, the host time of one call by function, and the
-call's timeline: when the GPU first gets work, and each gap in its work with what the host was doing then.
+prompt prefilled ahead and without the vision tower run ahead either, the tower eagerly at its exact size and with
+the stock Conv3d patch embedding, kernel profiles of a batch-1 decode step and of the call's vision tower and
+prefill, when the host enters and leaves each stage of a call (unprofiled), the host time of one call by function,
+and the call's timeline: when the GPU first gets work, and each gap in its work with what the host was doing then.
 
 The probe wraps runner methods to time them (the benchmark never does). Run: `python bench/probes/ttft_probe.py`
 (writes $OUT/ttft-probe.json, or bench/results/ttft-probe.json).
@@ -142,7 +143,7 @@ def host_stages(model, image, repeats=5) -> dict:
               "prefill ahead": (modeling_qwen3vl_graph, "prefill_ahead"), "prefill": (model, "_prefill_prompt"),
               "rope index": (model.model, "get_rope_index"),
               "generation config": (model, "_prepare_generation_config"),
-              "cache prepared": (model, "_prepare_cache_for_generation"), "loop": (model, "_sample")}
+              "cache prepared": (model, "_prepare_cache_for_generation")}
     spans = []
     saved = {name: getattr(owner, attribute) for name, (owner, attribute) in stages.items()}
     for name, (owner, attribute) in stages.items():
