@@ -65,6 +65,17 @@ if triton is not None:
         tl.store(out + row * n_cols + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype), mask=keep)
 
     @triton.jit
+    def _float16_columns(x):
+        """`x` `(K, ROWS)` in float16, each column scaled by the power of two that puts its largest magnitude in [2^14,
+        2^15); returns it and the scales that undo it. Exact for 16-bit values within 2^28 of their column's largest
+        (smaller ones weigh less than that in the product), and never past float16's range."""
+        x = x.to(tl.float32)
+        largest = tl.max(tl.abs(x), axis=0)
+        power = (largest.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2^floor(log2)
+        power = tl.maximum(power, 7.888609052210118e-31)  # 2^-100: an all-zero (or tiny) column, no overflow below
+        return (x * (16384.0 / power)[None, :]).to(tl.float16), power * (1.0 / 16384.0)
+
+    @triton.jit
     def _gemv_tile(x, weight, scale, rows, weight_rows, live_rows, k_len, k_start, k_split, stride_x, stride_w,
                    stride_s, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
                    FMA_ROWS: tl.constexpr):
@@ -73,9 +84,10 @@ if triton is not None:
         every row (the narrow side of a `tl.dot`, padded to ROWS: `padded_rows`).
 
         SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). In
-        the `tl.dot` form a tile (BLOCK_K divides 128) lies in one block column: its FP8 values, exact in x's dtype,
-        meet x in the `tl.dot` as they are, and the float32 product is scaled per weight row (on an H200 a third
-        faster than scaling the tile before the `tl.dot`). FMA_ROWS > 0 (at least `rows`): the whole range is one tile
+        the `tl.dot` form a tile (BLOCK_K divides 128) lies in one block column: its FP8 values, exact in float16, meet
+        x's columns scaled into float16 (`_float16_columns`) in a float16 `tl.dot`, and the float32 product is scaled
+        per weight row and x row. (FP8 to float16 is one instruction per two values on an H200; to bfloat16 it takes
+        four, and that conversion, not HBM, bounded the bfloat16 form.) FMA_ROWS > 0 (at least `rows`): the whole range is one tile
         of whole scale blocks, all its loads in flight at once; its FP8 values (exact in float32) are multiplied and
         added with each row of x on the CUDA cores, each block's sums scaled."""
         row_ids = tl.arange(0, ROWS)
@@ -104,7 +116,8 @@ if triton is not None:
                               mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0)
                 if SCALE_ROWS:
                     s = tl.load(scale + weight_rows // SCALE_ROWS * stride_s + start // 128, mask=live_rows, other=0.0)
-                    acc += tl.dot(w.to(x_t.dtype), x_t) * s[:, None]
+                    x16, x_scale = _float16_columns(x_t)
+                    acc += tl.dot(w.to(tl.float16), x16) * (s[:, None] * x_scale[None, :])
                 else:
                     acc = tl.dot(w, x_t, acc)
         return acc
@@ -287,11 +300,12 @@ def fma_configs(weight, rows) -> list:
 
 def fp8_dot_configs(weight) -> list:
     """The `tl.dot` form's tilings an FP8 projection is measured at besides the rule's: K ranges of 2, 4 and 8 scale
-    blocks (3 stages). An FP8 tile holds half a 16-bit tile's bytes, so more programs keep loads in flight: on an H200
-    these read 1.3-1.6x faster than the rule's split (2B shapes, 8 rows)."""
+    blocks, with 3 pipeline stages or none. An FP8 tile holds half a 16-bit tile's bytes, so more programs keep loads
+    in flight: on an H200 these read 1.3-1.6x faster than the rule's split (2B shapes, 8 rows). Without stages the
+    tile goes from registers to the `tl.dot` (fewer instructions per weight; other programs hide the loads)."""
     k = weight.shape[1]
     splits = dict.fromkeys(triton.cdiv(k, blocks * SCALE_COLS) for blocks in (2, 4, 8))
-    return [SkinnyConfig(64, SCALE_COLS, split, num_warps=4, num_stages=3) for split in splits]
+    return [SkinnyConfig(64, SCALE_COLS, split, num_warps=4, num_stages=stages) for split in splits for stages in (3, 1)]
 
 
 def padded_rows(rows) -> int:

@@ -1,11 +1,12 @@
 """Which FP8 GEMV form reads FP8 weights near the bandwidth bf16 reaches? Every form here writes the float32 partial
 products `(splits, rows, n)` of its K ranges and nothing else (the bf16 bar and the package's forms too, through
 `skinny_matmul(..., partials=True)`), so they all pay the same around them. Timed as the tuner times candidates, on
-the 2B decode shapes at 1 and 8 rows:
+the 2B (and 8B) decode shapes at 1 and 8 rows:
 
-- `package dot` / `package fma`: the skinny matmul's FP8 forms (`ops_matmul_qwen3vl_graph.py`);
+- `package dot` / `package fma`: the skinny matmul's FP8 forms (`ops_matmul_qwen3vl_graph.py`; its `tl.dot` form
+  meets x in float16) at the rule's tiling and the measured ones (`fp8_dot_configs`);
 - `convert`: the `tl.dot` form with the FP8 tile converted straight to bf16 (exact) and the float32 product scaled
-  after it, under `tl.range(num_stages=...)`;
+  after it, under `tl.range(num_stages=...)` (the package's form before it moved to float16);
 - `w8a8-1` / `w8a8-2`: x quantized in the kernel per row and 128-input block to e4m3 and a native FP8 `tl.dot`, so the
   weight loads feed the `tl.dot` directly (pipelined, no conversion per weight). With 1 term this is transformers'
   own FP8Linear numerics; with 2 the residual `x - hi` is quantized too (at 1/16 of the scale) and a second `tl.dot`
@@ -13,9 +14,10 @@ the 2B decode shapes at 1 and 8 rows:
 - `bf16`: the bf16 matrix through the package's bf16 skinny matmul at its measured tilings (the bar to reach).
 
 Each form's output is checked against the float32 product of the dequantized matrix. Writes $OUT/fp8_gemv_probe.json.
-Usage (H200): python bench/probes/fp8_gemv_probe.py
+Usage (H200): python bench/probes/fp8_gemv_probe.py [--shapes 2b 8b] [--forms package convert w8a8]
 """
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -29,7 +31,8 @@ from qwen3vl_static.fp8_qwen3vl_graph import Fp8Weight
 from qwen3vl_static.triton_qwen3vl_graph import _wait_then_release, launch
 from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
 
-SHAPES = {"qkv": (4096, 2048), "o_proj": (2048, 2048), "gate_up": (12288, 2048), "down_proj": (2048, 6144)}
+SHAPES = {"2b": {"qkv": (4096, 2048), "o_proj": (2048, 2048), "gate_up": (12288, 2048), "down_proj": (2048, 6144)},
+          "8b": {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down_proj": (4096, 12288)}}
 
 
 @triton.jit
@@ -129,6 +132,8 @@ def forms(x, weight, rule):
                     out[f"w8a8-{terms} n{block_n} {tag} t{tiles} st{stages}"] = (
                         lambda call=w8a8, k_split=k_split: partial_products(call, rows, n, splits_of(k_split), x.device))
     configs = {"package dot rule": rule._replace(num_stages=4)}
+    for config in matmul.fp8_dot_configs(weight):
+        configs[f"package dot split{config.split_k} st{config.num_stages}"] = config
     for block_n, width, warps in ((16, 512, 4), (16, 256, 4), (8, 512, 4), (16, 1024, 8)):
         configs[f"package fma n{block_n} k{width} w{warps}"] = matmul.SkinnyConfig(
             block_n, width, splits_of(width), warps, 1, fma=True)
@@ -138,11 +143,16 @@ def forms(x, weight, rule):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=["2b"], help="model shapes (default 2b)")
+    parser.add_argument("--forms", nargs="+", default=["package", "convert", "w8a8"],
+                        help="forms whose names start with these (default all)")
+    args = parser.parse_args()
     device = torch.device("cuda")
     tuner = KernelTuner()
     report = {}
     for rows in (1, 8):
-        for name, (n, k) in SHAPES.items():
+        for model, name, (n, k) in ((model, name, shape) for model in args.shapes for name, shape in SHAPES[model].items()):
             weight = Fp8Weight((torch.randn(n, k, device=device) * 32).to(torch.float8_e4m3fn),
                                torch.rand(n // 128, k // 128, device=device) / 256, 128)
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
@@ -151,6 +161,8 @@ def main():
             rule = matmul.rule_config(weight)
             calls, errors = {}, {}
             for form, call in forms(x, weight, rule).items():
+                if not form.startswith(tuple(args.forms)):
+                    continue
                 try:
                     errors[form] = ((call().sum(0) - expected).abs().max() / expected.abs().max()).item()
                     calls[form] = call
@@ -164,9 +176,9 @@ def main():
             bf16_us = min(times[len(names):])
             times = times[:len(names)]
             ranked = sorted(zip(times, names))
-            report[f"{rows}x {name}"] = {"bf16_us": bf16_us, "fp8_bytes": n * k,
+            report[f"{rows}x {model} {name}"] = {"bf16_us": bf16_us, "fp8_bytes": n * k,
                                          "forms": {form: {"us": us, "rel_error": errors[form]} for us, form in ranked}}
-            print(f"{rows} rows {name}: bf16 {bf16_us:.1f} us; best FP8:",
+            print(f"{rows} rows {model} {name}: bf16 {bf16_us:.1f} us; best FP8:",
                   ", ".join(f"{form} {us:.1f} us ({n * k / us / 1e3:.0f} GB/s, err {errors[form]:.1e})"
                             for us, form in ranked[:6]))
     out = Path(os.environ.get("OUT", "bench/results"))
