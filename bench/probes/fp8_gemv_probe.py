@@ -134,7 +134,7 @@ def forms(x, weight, rule):
     configs = {"package dot rule": rule._replace(num_stages=4)}
     for config in matmul.fp8_dot_configs(weight):
         configs[f"package dot split{config.split_k} st{config.num_stages}"] = config
-    for block_n, width, warps in ((16, 512, 4), (16, 256, 4), (8, 512, 4), (16, 1024, 8)):
+    for block_n, width, warps in ((16, 512, 4), (16, 256, 4), (8, 1024, 4), (4, 2048, 4), (16, 1024, 8)):
         configs[f"package fma n{block_n} k{width} w{warps}"] = matmul.SkinnyConfig(
             block_n, width, splits_of(width), warps, 1, fma=True)
     for name, config in configs.items():
