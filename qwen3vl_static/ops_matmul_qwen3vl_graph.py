@@ -348,14 +348,11 @@ def rule_config(weight, can_split=True) -> SkinnyConfig:
 
 def stage_configs(rule, weight=None, can_split=True, rows=1) -> tuple:
     """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection of `rows` rows is measured at
-    (for an `Fp8Weight`, `fp8_dot_configs` and the FMA form's too; where K may not be split, the FMA tilings that
-    span K whole)."""
+    (for an `Fp8Weight` whose K may be split, `fp8_dot_configs` and the FMA form's too)."""
     stages = rule._replace(num_stages=4), rule._replace(num_stages=6)
-    if not isinstance(weight, Fp8Weight):
-        return stages
-    if can_split:
+    if isinstance(weight, Fp8Weight) and can_split:
         return stages + tuple(fp8_dot_configs(weight) + fma_configs(weight, rows))
-    return stages + tuple(config for config in fma_configs(weight, rows) if config.split_k == 1)
+    return stages
 
 
 def preload_config(weight, rows=1, block_n=64, tile_bytes=64 * 1024):

@@ -185,7 +185,7 @@ class TritonOps(TorchOps):
     def linear_swiglu(self, x, gate_up_weight):
         """Whichever measured fastest of: the gate/up projection then the SwiGLU kernel; the skinny matmul's partial
         products, summed by the SwiGLU kernel (at `stage_configs`' tilings); one skinny matmul with SwiGLU as its
-        epilogue (4 or 6 stages, or an FP8 FMA tiling; K whole)."""
+        epilogue (4 or 6 stages, K whole)."""
         def separate():
             return super(TritonOps, self).linear_swiglu(x, gate_up_weight)
 
@@ -196,7 +196,7 @@ class TritonOps(TorchOps):
                             for config in stage_configs(rule_config(gate_up_weight), gate_up_weight, rows=x.shape[0])]
         fused = [lambda config=config: skinny_matmul(x, gate_up_weight, config, swiglu=True)
                  for config in stage_configs(rule_config(gate_up_weight, can_split=False), gate_up_weight,
-                                             can_split=False, rows=x.shape[0])]
+                                             can_split=False)]
         return self.tuner.measured("linear_swiglu", matmul_shape(x, gate_up_weight), x.device,
                                    (separate, *summed_by_swiglu, *fused))
 
