@@ -86,10 +86,10 @@ if triton is not None:
         SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). In
         the `tl.dot` form a tile (BLOCK_K divides 128) lies in one block column: its FP8 values, exact in float16, meet
         x's columns scaled into float16 (`_float16_columns`) in a float16 `tl.dot`, and the float32 product is scaled
-        per weight row and x row. (FP8 to float16 is one instruction per two values on an H200, to bfloat16 four: that
-        conversion, not HBM, bounds how fast the form reads.) FMA_ROWS > 0 (at least `rows`): the whole
-        range is one tile of whole scale blocks, all its loads in flight at once; its FP8 values (exact in float32)
-        are multiplied and added with each row of x on the CUDA cores, each block's sums scaled."""
+        per weight row and x row. (FP8 to float16 takes one instruction per two values on an H200, to bfloat16 four.)
+        FMA_ROWS > 0 (at least `rows`): the whole range is one tile of whole scale blocks, all its loads in flight at
+        once; its FP8 values (exact in float32) are multiplied and added with each row of x on the CUDA cores, each
+        block's sums scaled."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
         # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
