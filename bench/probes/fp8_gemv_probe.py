@@ -134,9 +134,8 @@ def forms(x, weight, rule):
     configs = {"package dot rule": rule._replace(num_stages=4)}
     for config in matmul.fp8_dot_configs(weight):
         configs[f"package dot split{config.split_k} st{config.num_stages}"] = config
-    for block_n, width, warps in ((16, 512, 4), (16, 256, 4), (8, 1024, 4), (4, 2048, 4), (16, 1024, 8)):
-        configs[f"package fma n{block_n} k{width} w{warps}"] = matmul.SkinnyConfig(
-            block_n, width, splits_of(width), warps, 1, fma=True)
+    for config in matmul.fma_configs(weight, rows):
+        configs[f"package fma n{config.block_n} k{config.block_k} w{config.num_warps}"] = config
     for name, config in configs.items():
         out[name] = lambda config=config: matmul.skinny_matmul(x, weight, config, partials=True)
     return out
