@@ -95,8 +95,8 @@ if triton is not None:
         # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
         for start in range(k_start, k_start + k_split, BLOCK_K):
             if FMA_ROWS:
-                # The whole range in one load, so that each warp reads along a row, not across rows (on an H200 by far
-                # the faster way to stream a matrix); its scale blocks by reshaping.
+                # The whole range in one load (each warp reads along a row), its scale blocks by reshaping: on an H200
+                # 8B gate/up at 1 row took 31.7 µs against 37.6 with one load per scale block.
                 ks = start + tl.arange(0, BLOCK_K)
                 w = tl.load(weight + weight_rows[:, None] * stride_w + ks[None, :],
                             mask=live_rows[:, None] & (ks[None, :] < k_len), other=0.0).to(tl.float32)
@@ -291,9 +291,9 @@ def check_fp8_tiling(weight, config, k_split) -> None:
 
 def fma_configs(weight, rows) -> list:
     """The FMA form's tilings an FP8 projection of `rows` rows is measured at, K cut into ranges of the tile's width:
-    16 columns x 512 or 256 inputs on 4 warps (on an H200 the fastest at every 2B shape), 8 x 1024 and 4 x 2048 on 4
-    warps (fewer rows, longer runs along each: streaming a matrix alone, 4 x 2048 read it fastest), 16 x 1024 on 8
-    warps. None above DOT_ROWS rows: the form unrolls its loop over them."""
+    16 columns x 512 or 256 inputs, 8 x 1024 and 4 x 2048 on 4 warps, 16 x 1024 on 8. On an H200 at 1 row, 4 x 2048
+    (few rows, long runs along each) was the fastest or within 0.1 µs of it at every 2B and 8B shape
+    (`fp8_gemv_probe.py`). None above DOT_ROWS rows: the form unrolls its loop over them."""
     if rows > DOT_ROWS:
         return []
     tilings = ((16, 512, 4), (16, 256, 4), (8, 1024, 4), (4, 2048, 4), (16, 1024, 8))

@@ -59,7 +59,7 @@ def main():
                     splits = triton.cdiv(row_words, range_words)
                     out = torch.empty(programs * splits, dtype=torch.int32, device=device)
                     for stages in (1, 3):
-                        calls.append(lambda rows=rows, tile_words=tile_words, range_words=range_words, splits=splits,
+                        calls.append(lambda programs=programs, rows=rows, tile_words=tile_words, range_words=range_words, splits=splits,
                                      out=out, stages=stages: _read_kernel[(programs, splits)](
                             words, out, n, row_words, range_words, ROWS=rows, WORDS=tile_words, STAGES=stages,
                             num_warps=4))
