@@ -356,12 +356,16 @@ def fma_configs(weight, rows) -> list:
 
 def fp8_dot_configs(weight) -> list:
     """The `tl.dot` form's tilings an FP8 projection is measured at besides the rule's: K ranges of 2, 4 and 8 scale
-    blocks, with 3 pipeline stages or none. An FP8 tile holds half a 16-bit tile's bytes, so more programs keep loads
-    in flight: on an H200 these read 1.3-1.6x faster than the rule's split (2B shapes, 8 rows). Without stages the
-    tile goes from registers to the `tl.dot` (fewer instructions per weight; other programs hide the loads)."""
+    blocks, tiles of 64 or 128 rows, without pipeline stages. An FP8 tile holds half a 16-bit tile's bytes, so more
+    programs keep loads in flight (on an H200 1.3-1.6x faster than the rule's split, 2B shapes, 8 rows). Without
+    stages the tile goes from registers to the tensor cores as loaded (`_fp8_mma_tile`; staged, it would pass through
+    shared memory); a 128-row tile takes x (scaled, through shared memory) once per 128 weight rows instead of 64. At
+    8 rows on an H200 128-row tiles were the fastest for gate/up and down_proj (2B and 8B; 8B gate/up 36.5 µs against
+    37.5) and the 8B QKV, 64-row tiles for o_proj and the 2B QKV (`fp8_gemv_probe.py`)."""
     k = weight.shape[1]
     splits = dict.fromkeys(triton.cdiv(k, blocks * SCALE_COLS) for blocks in (2, 4, 8))
-    return [SkinnyConfig(64, SCALE_COLS, split, num_warps=4, num_stages=stages) for split in splits for stages in (3, 1)]
+    return [SkinnyConfig(block_n, SCALE_COLS, split, num_warps=4, num_stages=1)
+            for split in splits for block_n in (64, 128)]
 
 
 def padded_rows(rows) -> int:
