@@ -59,9 +59,11 @@ def main():
     n, k, heads, kv_heads, head_dim = 1024, 1024, 4, 2, 128
     fp8, bf16 = random_fp8(n, k), torch.randn(n, k, dtype=torch.bfloat16)
     ticket = torch.zeros(heads + 2 * kv_heads, dtype=torch.int32)
+    rule = matmul.skinny_config(n, k, 132)
+    qkv = random_fp8((heads + 2 * kv_heads) * head_dim, k)
+    norms = torch.ones(head_dim, dtype=torch.bfloat16), torch.ones(head_dim, dtype=torch.bfloat16), 1e-6
     for rows in (1, 8, 40):
         x, hidden = torch.randn(rows, k, dtype=torch.bfloat16), torch.randn(rows, n, dtype=torch.bfloat16)
-        rule = matmul.skinny_config(n, k, 132)
         # The FP8 forms at their measured tilings and the narrow tiles the rule takes where K cannot be split.
         fp8_configs = [*matmul.fp8_dot_configs(fp8), *matmul.fma_configs(fp8, rows)[:1], rule,
                        rule._replace(block_n=32, split_k=1)]
@@ -69,13 +71,11 @@ def main():
             matmul.skinny_matmul(x, fp8, config)
             if config.split_k > 1 and rows <= matmul.DOT_ROWS:
                 matmul.skinny_matmul(x, fp8, config, add_rms_norm=(hidden, hidden[0], 1e-6), ticket=ticket)
-        for config in (fp8_configs[1], rule._replace(split_k=1)):
+        for config in (fp8_configs[1], rule):
             matmul.skinny_matmul(x, fp8, config._replace(split_k=1), swiglu=True)
         cache = torch.zeros(rows, kv_heads, 4, head_dim, dtype=torch.bfloat16)
         rotary = (torch.randn(rows, head_dim, dtype=torch.bfloat16),) * 2
-        norms = torch.ones(head_dim, dtype=torch.bfloat16), torch.ones(head_dim, dtype=torch.bfloat16), 1e-6
         slots = torch.zeros(rows, dtype=torch.int64)
-        qkv = random_fp8((heads + 2 * kv_heads) * head_dim, k)
         for config in (matmul.fp8_dot_configs(qkv)[1], *matmul.fma_configs(qkv, rows)[:1]):
             matmul.fused_qkv(x, qkv, heads, norms, rotary, cache, cache.clone(), slots, slots, config, ticket)
         matmul.skinny_matmul(x, bf16, rule)
