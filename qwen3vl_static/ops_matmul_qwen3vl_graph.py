@@ -28,7 +28,8 @@ SKINNY_ROWS = 64  # the most rows the skinny matmul takes (whether it runs inste
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
 # `preload`: each program's whole K range is one tile (`block_k` inputs), loaded before the PDL wait. `fma`: each
 # program's whole K range of an FP8 weight is one tile (`block_k` inputs, whole scale blocks), multiplied and added in
-# float32 on the CUDA cores row by row of x instead of meeting x in a `tl.dot`.
+# float32 on the CUDA cores row by row of x instead of meeting x in a `tl.dot` (with `preload`, the tile and its scales
+# are loaded before the wait).
 SkinnyConfig = namedtuple("SkinnyConfig", "block_n block_k split_k num_warps num_stages preload fma",
                           defaults=(False, False))
 
@@ -119,10 +120,11 @@ if triton is not None:
     @triton.jit
     def _gemv_tile(x, weight, scale, rows, weight_rows, live_rows, k_len, k_start, k_split, stride_x, stride_w,
                    stride_s, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
-                   FMA_ROWS: tl.constexpr):
+                   FMA_ROWS: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
         """`weight[weight_rows] @ x.T` over K in [k_start, k_start + k_split), float32 `(BLOCK_N, ROWS)`, for at most
         ROWS rows of x (`live_rows` masks the weight rows): each weight tile is read once, coalesced along K, and serves
-        every row (the narrow side of a `tl.dot`, padded to ROWS: `padded_rows`).
+        every row (the narrow side of a `tl.dot`, padded to ROWS: `padded_rows`). It waits for the previous kernel
+        (`_wait_then_release`) first, or (PRELOAD, the FMA form) after its weight loads: no kernel writes weights.
 
         SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). In
         the `tl.dot` form a tile is one block column (BLOCK_K 128): its FP8 values, exact in float16, meet x's columns
@@ -133,32 +135,40 @@ if triton is not None:
         tiling of each).
         FMA_ROWS > 0 (at least `rows`): the whole range is one tile of whole scale blocks, all its loads in flight at
         once; its FP8 values (exact in float32) are multiplied and added with each row of x on the CUDA cores, each
-        block's sums scaled."""
+        block's sums scaled. PRELOAD loads the tile before the wait: alone on an H200 at 1 row 0.3-1.2 µs faster per
+        projection (8B down_proj 19.2 against 20.4 µs), while in the step its loads also slow the kernels it overlaps
+        (attention, under o_proj's), so the tuner times both in the step."""
         row_ids = tl.arange(0, ROWS)
         acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
-        if SCALE_ROWS and not FMA_ROWS:  # the `tl.dot` form's rows in the tensor cores' order, its scales' alike
+        if FMA_ROWS:
+            # The whole range in one load (each warp reads along a row), its scale blocks by reshaping: on an H200 8B
+            # gate/up at 1 row took 31.7 µs against 37.6 with one load per scale block.
+            if not PRELOAD:
+                _wait_then_release(PDL)
+            ks = k_start + tl.arange(0, BLOCK_K)
+            w = tl.load(weight + weight_rows[:, None] * stride_w + ks[None, :],
+                        mask=live_rows[:, None] & (ks[None, :] < k_len), other=0.0)
+            # A block past K (the last range's) reads the last scale, and rows past `rows` the last row: their weights
+            # are masked to zero, their columns never stored.
+            block_cols = tl.minimum(k_start // 128 + tl.arange(0, BLOCK_K // 128), (k_len - 1) // 128)
+            s = tl.load(scale + (weight_rows // SCALE_ROWS * stride_s)[:, None] + block_cols[None, :],
+                        mask=live_rows[:, None], other=0.0)
+            if PRELOAD:
+                _wait_then_release(PDL)
+            w = w.to(tl.float32)
+            for row in tl.static_range(FMA_ROWS):
+                x_row = tl.load(x + tl.minimum(row, rows - 1) * stride_x + ks, mask=ks < k_len, other=0.0)
+                products = tl.reshape(w * x_row.to(tl.float32)[None, :], (BLOCK_N, BLOCK_K // 128, 128))
+                part = tl.sum(tl.sum(products, axis=2) * s, axis=1)
+                acc = tl.where(row_ids[None, :] == row, acc + part[:, None], acc)
+        elif SCALE_ROWS:
+            # The rows (and their scales) in the tensor cores' order.
             mma_scale_rows = tl.reshape(_mma_rows(tl.reshape(weight_rows // SCALE_ROWS, (BLOCK_N, 1)), BLOCK_N, 1),
                                         (BLOCK_N,))
             mma_live_rows = tl.reshape(_mma_rows(tl.reshape(live_rows, (BLOCK_N, 1)), BLOCK_N, 1), (BLOCK_N,))
-        # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
-        for start in range(k_start, k_start + k_split, BLOCK_K):
-            if FMA_ROWS:
-                # The whole range in one load (each warp reads along a row), its scale blocks by reshaping: on an H200
-                # 8B gate/up at 1 row took 31.7 µs against 37.6 with one load per scale block.
-                ks = start + tl.arange(0, BLOCK_K)
-                w = tl.load(weight + weight_rows[:, None] * stride_w + ks[None, :],
-                            mask=live_rows[:, None] & (ks[None, :] < k_len), other=0.0).to(tl.float32)
-                # A block past K (the last range's) reads the last scale, and rows past `rows` the last row: their
-                # weights are masked to zero, their columns never stored.
-                block_cols = tl.minimum(start // 128 + tl.arange(0, BLOCK_K // 128), (k_len - 1) // 128)
-                s = tl.load(scale + (weight_rows // SCALE_ROWS * stride_s)[:, None] + block_cols[None, :],
-                            mask=live_rows[:, None], other=0.0)
-                for row in tl.static_range(FMA_ROWS):
-                    x_row = tl.load(x + tl.minimum(row, rows - 1) * stride_x + ks, mask=ks < k_len, other=0.0)
-                    products = tl.reshape(w * x_row.to(tl.float32)[None, :], (BLOCK_N, BLOCK_K // 128, 128))
-                    part = tl.sum(tl.sum(products, axis=2) * s, axis=1)
-                    acc = tl.where(row_ids[None, :] == row, acc + part[:, None], acc)
-            elif SCALE_ROWS:
+            _wait_then_release(PDL)
+            # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
+            for start in range(k_start, k_start + k_split, BLOCK_K):
                 ks = start + tl.arange(0, BLOCK_K)
                 x_rows = tl.load(x + row_ids[:, None] * stride_x + ks[None, :],
                                  mask=(row_ids[:, None] < rows) & (ks[None, :] < k_len), other=0.0)
@@ -166,15 +176,16 @@ if triton is not None:
                 s = tl.load(scale + mma_scale_rows * stride_s + start // 128, mask=mma_live_rows, other=0.0)
                 w = _fp8_mma_tile(weight, weight_rows, live_rows, start, k_len, stride_w, BLOCK_N)
                 acc += tl.dot(w, x16) * (s[:, None] * x_scale[None, :])
-            else:
+            acc = _physical_rows(acc, BLOCK_N, ROWS)
+        else:
+            _wait_then_release(PDL)
+            for start in range(k_start, k_start + k_split, BLOCK_K):
                 ks = start + tl.arange(0, BLOCK_K)
                 w = tl.load(weight + weight_rows[:, None] * stride_w + ks[None, :],
                             mask=live_rows[:, None] & (ks[None, :] < k_len), other=0.0)
                 x_t = tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
                               mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0)
                 acc = tl.dot(w, x_t, acc)
-        if SCALE_ROWS and not FMA_ROWS:
-            acc = _physical_rows(acc, BLOCK_N, ROWS)
         return acc
 
     @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
@@ -196,16 +207,18 @@ if triton is not None:
         them, rounds y, adds it to `hidden` (the residual stream) and stores the sum and its RMSNorm, rounded as the
         separate ops round: the residual add and the norm after a projection cost no launch of their own.
 
-        PRELOAD: the program's whole K range (BLOCK_K == k_split) is one weight tile, loaded before the PDL wait (and
-        staged in shared memory for the `tl.dot`, also before it, as compiled for sm90): weights never depend on an
-        earlier kernel, so they stream in while earlier kernels run. The merge releases o_proj before its own wait
-        (`_release_then_wait`), so o_proj's programs load during attention and the merge.
+        PRELOAD: the program's whole K range (BLOCK_K == k_split) is one weight tile, loaded before the PDL wait (and,
+        16-bit, staged in shared memory for the `tl.dot`, also before it, as compiled for sm90; FP8, the FMA form's
+        tile, `_gemv_tile`): weights never depend on an earlier kernel, so they stream in while earlier kernels run.
+        The merge releases o_proj before its own wait (`_release_then_wait`), so o_proj's programs load during
+        attention and the merge.
 
-        PDL: see `_wait_then_release`. (Slower on an H200: asking L2 for the first weights before the wait, loading
-        the first weight tile before the wait, and releasing the next kernel only after the loop's loads.)"""
+        PDL: see `_wait_then_release`. (Slower on an H200 for the pipelined 16-bit tiles: asking L2 for the first
+        weights before the wait, loading the first weight tile before the wait, and releasing the next kernel only
+        after the loop's loads.)"""
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
-        if PRELOAD:
+        if PRELOAD and not FMA_ROWS:
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = split * k_split + tl.arange(0, BLOCK_K)
             tile = tl.load(weight + cols[:, None] * stride_w + ks[None, :],
@@ -214,21 +227,19 @@ if triton is not None:
             acc = tl.dot(tile, tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
                                        mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0))
         elif SWIGLU:
-            _wait_then_release(PDL)
             tile_rows = tl.arange(0, BLOCK_N)
             cols = tl.program_id(0) * (BLOCK_N // 2) + tile_rows % (BLOCK_N // 2)
             acc = _gemv_tile(x, weight, scale, rows, cols + tile_rows // (BLOCK_N // 2) * n_cols, cols < n_cols, k_len,
                              split * k_split, k_split, stride_x, stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS,
-                             FMA_ROWS)
+                             FMA_ROWS, PRELOAD, PDL)
             gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, ROWS)), (1, 2, 0)))
             gate = gate.to(out.dtype.element_ty).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up.to(out.dtype.element_ty).to(tl.float32)
             cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         else:
-            _wait_then_release(PDL)
             cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             acc = _gemv_tile(x, weight, scale, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x,
-                             stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS, FMA_ROWS)
+                             stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS, FMA_ROWS, PRELOAD, PDL)
         keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
         tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
         if ADD_RMS_NORM:
@@ -253,19 +264,18 @@ if triton is not None:
         x, weight, scale, parts, rows, k_len, k_split, stride_x, stride_w, stride_s, splits, q_weight, k_weight, cos, sin,
         eps, q_out, keys, values, cache_rows, cache_slots, stride_cache_row, stride_cache_head, stride_cache_slot, tickets,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
-        FMA_ROWS: tl.constexpr, HEADS: tl.constexpr,
+        FMA_ROWS: tl.constexpr, PRELOAD: tl.constexpr, HEADS: tl.constexpr,
         KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
     ):
         """The fused QKV projection of a few rows then `qk_norm_rope_write`, in one launch: programs as the skinny
         matmul's store float32 partials; the last program of each head (a ticket per head counts them) sums them,
         rounds them as the projection's output, norms and rotates q and k, and stores q to `q_out` `(rows, HEADS,
         D)` and k and v into the cache (row `cache_rows[r]`, slot `cache_slots[r]`)."""
-        _wait_then_release(PDL)
         n_cols = (HEADS + 2 * KV_HEADS) * HEAD_DIM
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(1)
         acc = _gemv_tile(x, weight, scale, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x, stride_w,
-                         stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS, FMA_ROWS)
+                         stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS, FMA_ROWS, PRELOAD, PDL)
         row_ids = tl.arange(0, ROWS)
         tl.store(parts + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc, mask=row_ids[None, :] < rows)
         head = tl.program_id(0) * BLOCK_N // HEAD_DIM
@@ -337,6 +347,8 @@ def check_fp8_tiling(weight, config, k_split) -> None:
     if config.fma and (config.block_k % SCALE_COLS or k_split != config.block_k):
         raise ValueError(f"the FMA form's tile is a program's whole K range of whole {SCALE_COLS}-input scale blocks: "
                          f"block_k {config.block_k} must be {k_split} and a multiple of {SCALE_COLS}")
+    if config.preload and not config.fma:
+        raise ValueError("an FP8 weight's tiles are preloaded in the FMA form only")
     if not config.fma and config.block_k != SCALE_COLS:
         raise ValueError(f"an FP8 weight's `tl.dot` tiles are its scale blocks' width: block_k {config.block_k} must be "
                          f"{SCALE_COLS}")
@@ -344,14 +356,16 @@ def check_fp8_tiling(weight, config, k_split) -> None:
 
 def fma_configs(weight, rows) -> list:
     """The FMA form's tilings an FP8 projection of `rows` rows is measured at, K cut into ranges of the tile's width:
-    16 columns x 512 or 256 inputs, 8 x 1024 and 4 x 2048 on 4 warps, 16 x 1024 on 8. On an H200 at 1 row, 4 x 2048
-    (few rows, long runs along each) was the fastest or within 0.1 µs of it at every 2B and 8B shape
-    (`fp8_gemv_probe.py`). None above DOT_ROWS rows: the form unrolls its loop over them."""
+    16 columns x 512 inputs, 8 x 1024 and 4 x 2048 on 4 warps, each loaded after the PDL wait and before it
+    (`preload`). On an H200 at 1 row one of these was the fastest, or within 0.2 µs of it, at every 2B and 8B shape
+    (`fp8_gemv_probe.py`; 16 x 256 and 16 x 1024 on 8 warps never gained more). None above DOT_ROWS rows: the form
+    unrolls its loop over them."""
     if rows > DOT_ROWS:
         return []
-    tilings = ((16, 512, 4), (16, 256, 4), (8, 1024, 4), (4, 2048, 4), (16, 1024, 8))
-    return [SkinnyConfig(block_n, width, triton.cdiv(weight.shape[1], width), num_warps=warps, num_stages=1, fma=True)
-            for block_n, width, warps in tilings if width <= triton.next_power_of_2(weight.shape[1])]
+    return [SkinnyConfig(block_n, width, triton.cdiv(weight.shape[1], width), num_warps=4, num_stages=1,
+                         preload=preload, fma=True)
+            for block_n, width in ((16, 512), (8, 1024), (4, 2048)) if width <= triton.next_power_of_2(weight.shape[1])
+            for preload in (False, True)]
 
 
 def fp8_dot_configs(weight) -> list:
@@ -453,7 +467,7 @@ def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, parti
     splits = triton.cdiv(k, k_split)
     if swiglu and splits > 1:
         raise ValueError("the SwiGLU epilogue needs whole sums: split_k must be 1")
-    if config.preload and (swiglu or k_split != config.block_k):
+    if config.preload and not config.fma and (swiglu or k_split != config.block_k):
         raise ValueError(f"a preloaded tile spans a program's whole K range: block_k must be {k_split}, "
                          "without SwiGLU")
     check_fp8_tiling(weight, config, k_split)
@@ -501,7 +515,7 @@ def fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, 
         x, matrix, scale, parts, rows, k, k_split, x.stride(0), matrix.stride(0), stride_s, splits, q_weight, k_weight,
         cos, sin, eps, q, keys, values, cache_rows, cache_slots, keys.stride(0), keys.stride(1), keys.stride(2),
         tickets, ROWS=padded_rows(rows), BLOCK_N=block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
-        FMA_ROWS=fma_rows(config, rows),
+        FMA_ROWS=fma_rows(config, rows), PRELOAD=config.preload,
         HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return q

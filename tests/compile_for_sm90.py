@@ -65,7 +65,7 @@ def main():
     for rows in (1, 8, 40):
         x, hidden = torch.randn(rows, k, dtype=torch.bfloat16), torch.randn(rows, n, dtype=torch.bfloat16)
         # The FP8 forms at their measured tilings and the narrow tiles the rule takes where K cannot be split.
-        fp8_configs = [*matmul.fp8_dot_configs(fp8), *matmul.fma_configs(fp8, rows)[:1], rule,
+        fp8_configs = [*matmul.fp8_dot_configs(fp8), *matmul.fma_configs(fp8, rows)[:2], rule,
                        rule._replace(block_n=32, split_k=1)]
         for config in fp8_configs:
             matmul.skinny_matmul(x, fp8, config)
@@ -76,7 +76,7 @@ def main():
         cache = torch.zeros(rows, kv_heads, 4, head_dim, dtype=torch.bfloat16)
         rotary = (torch.randn(rows, head_dim, dtype=torch.bfloat16),) * 2
         slots = torch.zeros(rows, dtype=torch.int64)
-        for config in (matmul.fp8_dot_configs(qkv)[1], *matmul.fma_configs(qkv, rows)[:1]):
+        for config in (matmul.fp8_dot_configs(qkv)[1], *matmul.fma_configs(qkv, rows)[:2]):
             matmul.fused_qkv(x, qkv, heads, norms, rotary, cache, cache.clone(), slots, slots, config, ticket)
         matmul.skinny_matmul(x, bf16, rule)
     print(f"{len(compiled)} kernels compiled for sm_90")

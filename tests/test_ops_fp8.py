@@ -64,16 +64,16 @@ def test_fused_parts_keep_their_scales():
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, scale_rows", [(1, 128), (5, 32)])
-@pytest.mark.parametrize("form", ["one-pass", "split-k", "narrow-tiles", "fma", "fma-split-k"])
+@pytest.mark.parametrize("form", ["one-pass", "split-k", "narrow-tiles", "fma", "fma-split-k", "fma-preloaded"])
 def test_skinny_matmul_on_fp8_tiles(dtype, rows, scale_rows, form):
     """K = 300: the last scale block is partial; N = 200: the last column tile is partial. The `tl.dot` form's tiles
     of 64 and 128 rows are reordered for the tensor cores (`_mma_rows`), narrower ones not; the FMA form's tiles span
-    whole K ranges (one of 512, or 3 of 128)."""
+    whole K ranges (one of 512, or 3 of 128), loaded before the PDL wait or after it."""
     x, weight = randn(rows, 300, dtype=dtype), random_fp8(200, 300, scale_rows)
     block_n, block_k, split_k = {"one-pass": (64, 128, 1), "split-k": (128, 128, 2), "narrow-tiles": (32, 128, 2),
-                                 "fma": (32, 512, 1), "fma-split-k": (32, 128, 3)}[form]
+                                 "fma": (32, 512, 1), "fma-split-k": (32, 128, 3), "fma-preloaded": (16, 128, 3)}[form]
     config = matmul.SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2,
-                                 fma=form.startswith("fma"))
+                                 preload=form == "fma-preloaded", fma=form.startswith("fma"))
     with poisoned_empty():
         out = matmul.skinny_matmul(x, weight, config)
     (assert_close_at_scale if config.fma else assert_fp8_close)(out, reference(x, weight))
@@ -115,6 +115,8 @@ def test_fp8_tiles_stay_within_a_scale_block():
         with pytest.raises(ValueError, match="scale blocks"):
             matmul.skinny_matmul(x, weight, matmul.SkinnyConfig(32, block_k, 1, num_warps=4, num_stages=2))
     assert matmul.preload_config(weight) is None
+    with pytest.raises(ValueError, match="FMA form only"):
+        matmul.skinny_matmul(x, weight, matmul.SkinnyConfig(32, 128, 4, 4, 1, preload=True))
     with pytest.raises(ValueError, match="takes an Fp8Weight"):
         matmul.skinny_matmul(x, weight.dequantize(torch.float32), matmul.SkinnyConfig(32, 512, 1, 4, 2, fma=True))
     with pytest.raises(ValueError, match="whole K range"):  # two 256-input tiles per range
@@ -155,8 +157,9 @@ def test_fp8_epilogues(dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
-@pytest.mark.parametrize("fma", [False, True], ids=["tl.dot", "fma"])
-def test_fp8_qkv_norm_rope_write(dtype, form, fma):
+@pytest.mark.parametrize("fma, preload", [(False, False), (True, False), (True, True)],
+                         ids=["tl.dot", "fma", "fma-preloaded"])
+def test_fp8_qkv_norm_rope_write(dtype, form, fma, preload):
     rows, heads, kv_heads, dim, hidden, slots = 2, 4, 2, 64, 256, 8
     x, qkv = randn(rows, hidden, dtype=dtype), random_fp8((heads + 2 * kv_heads) * dim, hidden, scale_rows=64)
     qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
@@ -167,7 +170,8 @@ def test_fp8_qkv_norm_rope_write(dtype, form, fma):
     k_ref, v_ref = keys.float(), values.float()
     q_ref = Torch.qk_norm_rope_write(reference(x, qkv), heads, *(w.float() for w in qk_norms[:2]), qk_norms[2],
                                      Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_rows, cache_slots)
-    config = matmul.SkinnyConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=2, fma=fma)  # 2 x 128
+    config = matmul.SkinnyConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=2, preload=preload,
+                                 fma=fma)  # 2 x 128
     with poisoned_empty():
         if form == "fused":
             q = matmul.fused_qkv(x, qkv, heads, qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows, cache_slots,

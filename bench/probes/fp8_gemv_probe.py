@@ -135,7 +135,8 @@ def forms(x, weight, rule):
     for config in matmul.fp8_dot_configs(weight):
         configs[f"package dot n{config.block_n} split{config.split_k} st{config.num_stages}"] = config
     for config in matmul.fma_configs(weight, rows):
-        configs[f"package fma n{config.block_n} k{config.block_k} w{config.num_warps}"] = config
+        preloaded = " preloaded" if config.preload else ""
+        configs[f"package fma n{config.block_n} k{config.block_k} w{config.num_warps}{preloaded}"] = config
     for name, config in configs.items():
         out[name] = lambda config=config: matmul.skinny_matmul(x, weight, config, partials=True)
     return out

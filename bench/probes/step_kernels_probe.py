@@ -1,6 +1,6 @@
 """Where the decode step's time goes, kernel by kernel (H200 probe; JSON to $OUT).
 
-The 2B decode step at some batch sizes (default 1 and 8; 512-token prompts), in bf16 and with every text linear
+A dense model's decode step (default the 2B) at some batch sizes (default 1 and 8; 512-token prompts), in bf16 and with every text linear
 in Qwen's FP8 format (default both), under torch.profiler: each kernel launch of a `generate` call grouped by
 (kernel, grid), with its mean duration and the step time attributed to it (its end minus the previous kernel's end:
 under PDL a kernel starts early and waits, so its duration overstates it, while the attributed times add up to the
@@ -8,7 +8,7 @@ step). Groups launched fewer times than the
 call's steps are left out; the prefill's own groups launched more often remain (at batch 8, cuBLAS's prefill
 matmuls show up at 1.4 per step).
 
-Run: python bench/probes/step_kernels_probe.py [--batches 1 8] [--variants bf16 fp8] [--context 512]
+Run: python bench/probes/step_kernels_probe.py [--model 2b] [--batches 1 8] [--variants bf16 fp8] [--context 512]
 (writes $OUT/step-kernels-probe.json and .png, or bench/results/...). `--plot JSON [JSON ...] --png PATH` draws
 saved runs in one picture (no GPU needed): each step's attributed time by kind of kernel.
 """
@@ -56,8 +56,8 @@ def kernel_rows(model, prompt) -> tuple:
     return rows, sum(row["attributed_us_per_step"] for row in rows) / 1000
 
 
-def measure(variant: str, batches, context) -> dict:
-    model = build_ours(torch.device("cuda"), torch.bfloat16, max_batch_size=max(batches))
+def measure(variant: str, batches, context, preset="2b") -> dict:
+    model = build_ours(torch.device("cuda"), torch.bfloat16, preset, max_batch_size=max(batches))
     if variant == "fp8":
         quantize_fp8(model, NOT_CONVERTED)
     generate_exactly_as_asked(model)
@@ -99,7 +99,7 @@ def kind(row) -> str:
     return found
 
 
-def plot(runs: dict, path) -> None:
+def plot(runs: dict, path, preset="2b") -> None:
     """Horizontal bars, one per run `{label: (kernel rows, ms/step)}`: the attributed ms/step of each kind of kernel,
     and the measured ms/step as a tick."""
     import matplotlib
@@ -122,7 +122,7 @@ def plot(runs: dict, path) -> None:
                label="measured ms/step (slope)")
     ax.invert_yaxis()
     ax.set(xlabel="ms per decode step, attributed to each kernel (its end minus the previous kernel's end)",
-           title="Qwen3-VL-2B decode step by kind of kernel (H200)")
+           title=f"Qwen3-VL-{preset.upper()} decode step by kind of kernel (H200)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
@@ -141,6 +141,7 @@ def saved_runs(paths) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("2b", "4b", "8b"), default="2b", help="the dense preset's shapes")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--variants", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"])
     parser.add_argument("--context", type=int, default=512)
@@ -148,19 +149,19 @@ def main() -> None:
     parser.add_argument("--png", default="step-kernels.png", help="where --plot writes its picture")
     args = parser.parse_args()
     if args.plot:
-        plot(saved_runs(args.plot), args.png)
+        plot(saved_runs(args.plot), args.png, json.loads(Path(args.plot[0]).read_text()).get("model", "2b"))
         print(f"wrote {args.png}")
         return
     if not torch.cuda.is_available():
         sys.exit("step_kernels_probe.py measures on a CUDA device (--plot draws saved runs anywhere).")
-    results = {variant: measure(variant, args.batches, args.context) for variant in args.variants}
+    results = {variant: measure(variant, args.batches, args.context, args.model) for variant in args.variants}
     out = Path(os.environ.get("OUT", "bench/results")) / "step-kernels-probe.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "command": "python bench/probes/step_kernels_probe.py " + " ".join(sys.argv[1:]),
-                              "context": args.context, **results},
+                              "model": args.model, "context": args.context, **results},
                               indent=1))
-    plot(saved_runs([out]), out.with_suffix(".png"))
+    plot(saved_runs([out]), out.with_suffix(".png"), args.model)
     print(f"wrote {out} and its .png")
 
 
