@@ -70,7 +70,8 @@ class GraphEngine:
     def warmup(self, batch_sizes, cache_lengths, modes, prompt_lengths, image_patches) -> dict:
         """Capture the graphs of these sizes (None: every configured bucket) that are not captured yet; returns the
         seconds spent compiling the kernels ahead, settling near-tied kernel choices and capturing, and the graph
-        count. Nothing happens where graphs are not used."""
+        count. Nothing happens where graphs are not used. The warm-up steps write K/V into the cache's rows, so a
+        conversation the cache held is dropped (`ASStaticCache.clear`): a turn passing it back starts afresh."""
         decode, prefill, vision = self.runners
         batch_sizes = batch_sizes or decode.batch_buckets
         pending = [(decode, key) for key in decode.warmup_keys(batch_sizes, cache_lengths or decode.cache_buckets, modes)]
@@ -79,6 +80,18 @@ class GraphEngine:
         pending = [(runner, key) for runner, key in pending if runner.use_graphs and key not in runner.graphs]
         if not decode.use_graphs:
             return {}
+        if pending and self.cache.filled():
+            logger.warning_once("warmup() runs its steps on the cache's rows: what the cache holds is dropped, and a "
+                                "turn passing that cache back is prefilled from the start.")
+        try:
+            return self._capture(pending)
+        finally:
+            if pending:
+                self.cache.clear()
+
+    def _capture(self, pending) -> dict:
+        """`warmup`'s work on the `(runner, key)` graphs it found missing."""
+        decode, prefill, _ = self.runners
         decode.idle()
         prefill.idle()
         began = time.perf_counter()

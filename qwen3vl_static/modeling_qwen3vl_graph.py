@@ -266,10 +266,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             cache.hold_rows()
             model_kwargs[CACHE_KWARG] = cache
             return
-        resumed = model_kwargs.get(CACHE_KWARG) is cache
+        passed_back = model_kwargs.get(CACHE_KWARG) is cache
+        # Passed back holding nothing (`warmup()` or continuous batching has run on its rows since): a new request.
+        resumed = passed_back and cache.filled() > 0
         if blocker is not None:
             logger.warning_once(f"{type(self).__name__}: {blocker} runs transformers' stock generation loop.")
-            if not resumed:
+            if not passed_back:
                 return super()._prepare_cache_for_generation(
                     generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
                 )
@@ -296,7 +298,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
           as. None by default (each (number of images, image size) is then captured on first use).
         Each other size is rounded up to its bucket, and each other list defaults to every configured bucket.
         Returns the time taken in seconds (0 where graphs are not used: CPU, or `use_cuda_graphs=False`);
-        `warmup_report` splits it into compiling the kernels ahead and capturing.
+        `warmup_report` splits it into compiling the kernels ahead and capturing. Capturing runs steps on the cache's
+        rows, so a conversation the returned cache holds is dropped: passed back, it serves a new request.
         """
         with self._generate_lock, self.backend_flags(), torch.no_grad():
             self.warmup_report = self.graph_engine().warmup(batch_sizes, cache_lengths, modes, prompt_lengths,

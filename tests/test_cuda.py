@@ -472,6 +472,20 @@ def test_second_turn_with_the_returned_cache_graph_equals_eager(models):
     assert any(kv_slots != size for _, size, kv_slots, _ in ours._engine.prefill.graphs)
 
 
+def test_warmup_between_turns_leaves_no_stale_conversation(models):
+    """`warmup()` runs its steps on the cache's rows (a 2 x 1024-token prefill graph writes slots 0-1023 of rows 0 and
+    1): a turn passing back the cache returned before it is then a new request, never a read of overwritten slots."""
+    ours, _ = models
+    generator = torch.Generator().manual_seed(7)
+    first = generate(ours, text_prompt(ours.config, 1, 100, "cuda", generator), 32, return_dict_in_generate=True)
+    ids = torch.cat([first.sequences, torch.randint(0, 150000, (1, 20), generator=generator).to("cuda")], dim=1)
+    turn = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    ours.warmup(batch_sizes=[2], cache_lengths=[300], modes=("greedy",), prompt_lengths=[700], image_patches=[])
+    assert ours.warmup_report["graphs"] > 0  # steps ran
+    got = generate(ours, turn, 32, **{CACHE_KWARG: returned_cache(first)})
+    assert got.tolist() == generate(ours, turn, 32).tolist()
+
+
 def test_each_model_measures_its_own_kernel_choices():
     """Measured kernel choices belong to a model's engine: a second model with the same shapes starts with none and
     measures its own; changing one model's choice leaves the other's alone."""

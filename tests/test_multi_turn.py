@@ -116,3 +116,22 @@ def test_a_prompt_that_does_not_extend_the_cache_continues_it_as_stock_does(tiny
     assert ours.generate(**other, **GREEDY, **{CACHE_KWARG: returned_cache(got_first)}).tolist() == reused.tolist()
     # The next plain call starts afresh on the same cache.
     assert ours.generate(**other, **GREEDY).tolist() == stock.generate(**other, **GREEDY).tolist()
+
+
+def test_a_cache_emptied_since_it_was_returned_serves_a_new_request(tiny_pair, monkeypatch):
+    """`warmup()` and continuous batching run steps on the cache's rows and leave it empty (`clear`): a turn passing
+    it back then prefills its whole prompt on the fast path, the tokens of a fresh request, and never reads what the
+    cache held."""
+    ours, stock = tiny_pair
+    first_inputs = tiny_inputs([FIRST_TURNS["text"][0]])
+    got_first = ours.generate(**first_inputs, **GREEDY, return_dict_in_generate=True)
+    resumed, fresh = next_turn(first_inputs, got_first.sequences)
+    ours.graph_engine().cache.clear()
+    starts = []
+    prefill = type(ours)._prefill_prompt
+    monkeypatch.setattr(type(ours), "_prefill_prompt",
+                        lambda self, input_ids, model_kwargs, start, *args, **kwargs: (
+                            starts.append(start), prefill(self, input_ids, model_kwargs, start, *args, **kwargs))[1])
+    got = ours.generate(**resumed, **GREEDY, **{CACHE_KWARG: returned_cache(got_first)})
+    assert starts == [0]
+    assert got.tolist() == stock.generate(**fresh, **GREEDY).tolist()
