@@ -398,8 +398,9 @@ def _ours_around(stock, cls, config):
 
 def _check_generate_inputs(config, input_ids, kwargs) -> None:
     """Raise a `ValueError` that names the problem for inputs that would fail deep inside `generate` or, worse, inside
-    a kernel: token ids outside the vocabulary, an attention mask of another shape, pixels without their grid, and
-    image (video) placeholders in the prompt's uncached tokens that do not match the pixels' merged patches."""
+    a kernel: token ids outside the vocabulary, an attention mask of another shape, pixels without their grid,
+    image (video) placeholders in the prompt's uncached tokens that do not match the pixels' merged patches, and
+    placeholders without pixels after the cache passed back lost what it held."""
     if not isinstance(input_ids, torch.Tensor) or not input_ids.numel():
         return  # inputs_embeds, or transformers' own error for what it cannot read
     attention_mask = kwargs.get("attention_mask")
@@ -426,6 +427,13 @@ def _check_generate_inputs(config, input_ids, kwargs) -> None:
     if low < 0 or high >= vocab:
         raise ValueError(f"input_ids holds token ids from {low} to {high}, outside the vocabulary [0, {vocab}).")
     tokens, patches = counts[:2], iter(counts[2:])
+    for (kind, _, pixels, _), count in zip(media, tokens):
+        if isinstance(cache, ASStaticCache) and not held and count and pixels is None:
+            raise ValueError(
+                f"The cache passed back holds nothing (warmup() or continuous batching ran on its rows since it was "
+                f"returned), so the prompt's {count} {kind} tokens have no {kind}s: pass the conversation as a new "
+                f"request, with its {kind}s."
+            )
     unit = config.vision_config.spatial_merge_size**2
     for (kind, _, pixels, _), count in zip(media, tokens):
         if pixels is None:

@@ -135,3 +135,17 @@ def test_a_cache_emptied_since_it_was_returned_serves_a_new_request(tiny_pair, m
     got = ours.generate(**resumed, **GREEDY, **{CACHE_KWARG: returned_cache(got_first)})
     assert starts == [0]
     assert got.tolist() == stock.generate(**fresh, **GREEDY).tolist()
+
+
+def test_an_image_turn_on_a_cache_emptied_since_it_was_returned_is_refused(tiny_pair):
+    """Its image tokens are in the prompt but its pixels only were in the cache: a clear error before anything runs,
+    and the model answers the conversation passed as a new request."""
+    ours, stock = tiny_pair
+    conversation, images = FIRST_TURNS["image"]
+    first_inputs = tiny_inputs([conversation], images=images)
+    got_first = ours.generate(**first_inputs, **GREEDY, return_dict_in_generate=True)
+    resumed, fresh = next_turn(first_inputs, got_first.sequences)
+    ours.graph_engine().cache.clear()
+    with pytest.raises(ValueError, match="holds nothing .* 4 image tokens have no images"):
+        ours.generate(**resumed, **GREEDY, **{CACHE_KWARG: returned_cache(got_first)})
+    assert ours.generate(**fresh, **GREEDY).tolist() == stock.generate(**fresh, **GREEDY).tolist()
