@@ -2,10 +2,14 @@
 
 The decode attention kernels alone (2B heads) on the shapes where the step spends most in attention (batch 64 at 336
 of 512 slots: about a third of its 2.77 ms step; long contexts), at the shipped settings (`split_tiles`' tiles of
-64 slots, 4 warps, 3 stages) and at tiles of 128 slots, twice the tiles per program, 8 warps and 2 stages, timed as
-the tuner times a candidate. Reports microseconds, the K/V bandwidth and each form's largest difference from the
-shipped form. Run: python bench/probes/attention_launch_probe.py
+64 slots, 4 warps, 3 stages) and at tiles of 128 slots, twice the tiles per program, 2 or 8 warps and 1 or 2 stages,
+timed as the tuner times a candidate. Reports microseconds, the K/V bandwidth and each form's largest difference from
+the shipped form. `--shapes ROWS:KV_LEN:LENGTH ...` measures other shapes (e.g. the benchmark's decode, 512-token
+prompts in the 1024-slot bucket: 1:1024:576 8:1024:576).
+Run: python bench/probes/attention_launch_probe.py [--shapes ...]
 """
+
+import argparse
 
 import itertools
 import json
@@ -64,7 +68,7 @@ def measure(rows, kv_len, length, generator) -> dict:
     tiles = split_tiles(rows, KV_HEADS, kv_len)
     forms = {"shipped": lambda: decode_attention(*operands, kv_len, DIM**-0.5)}
     for (chunk, form_tiles), warps, stages in itertools.product(
-            ((CHUNK, tiles), (CHUNK, 2 * tiles), (2 * CHUNK, max(1, tiles // 2)), (2 * CHUNK, tiles)), (4, 8), (2, 3)):
+            ((CHUNK, tiles), (CHUNK, 2 * tiles), (2 * CHUNK, max(1, tiles // 2)), (2 * CHUNK, tiles)), (2, 4, 8), (1, 2, 3)):
         forms[f"chunk {chunk} tiles {form_tiles} warps {warps} stages {stages}"] = (
             lambda chunk=chunk, form_tiles=form_tiles, warps=warps, stages=stages:
             attention(*operands, kv_len, chunk, form_tiles, warps, stages))
@@ -78,9 +82,13 @@ def measure(rows, kv_len, length, generator) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", metavar="ROWS:KV_LEN:LENGTH",
+                        default=[":".join(map(str, shape)) for shape in SHAPES])
+    args = parser.parse_args()
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows_out = []
-    for shape in SHAPES:
+    for shape in [tuple(int(part) for part in text.split(":")) for text in args.shapes]:
         row = measure(*shape, generator)
         rows_out.append(row)
         times = row["us"]
@@ -90,7 +98,8 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "bench/results")) / "attention-launch-probe.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "command": "python bench/probes/attention_launch_probe.py", "rows": rows_out},
+                               "command": "python bench/probes/attention_launch_probe.py " + " ".join(sys.argv[1:]),
+                               "rows": rows_out},
                               indent=1))
     print(f"wrote {out}")
 

@@ -5,10 +5,12 @@ the stock Conv3d patch embedding, kernel profiles of a batch-1 decode step and o
 prefill, when the host enters and leaves each stage of a call (unprofiled), the host time of one call by function,
 and the call's timeline: when the GPU first gets work, and each gap in its work with what the host was doing then.
 
-The probe wraps runner methods to time them (the benchmark never does). Run: `python bench/probes/ttft_probe.py`
-(writes $OUT/ttft-probe.json, or bench/results/ttft-probe.json).
+The probe wraps runner methods to time them (the benchmark never does). Run: `python bench/probes/ttft_probe.py
+[--batch 8]` (rows of one 448x448 image + 30 tokens each; writes $OUT/ttft-probe.json, or
+bench/results/ttft-probe.json).
 """
 
+import argparse
 import cProfile
 import json
 import os
@@ -80,7 +82,7 @@ KERNEL_CLASSES = {
 }
 
 
-def kernel_profile(call, calls=1) -> dict:
+def kernel_profile(call, calls=1, top=15) -> dict:
     """GPU time of `call()` per call, by kernel class and for the top kernels. Under programmatic dependent launch
     a kernel starts before its predecessor ends and waits for it, so kernel times overlap: their sum ("gpu_ms_total")
     can exceed the call's time, and a kernel's time includes its wait."""
@@ -95,8 +97,8 @@ def kernel_profile(call, calls=1) -> dict:
         kind = next((label for label, keys in KERNEL_CLASSES.items() if any(key in event.key.lower() for key in keys)), "other")
         by_class[kind] = by_class.get(kind, 0.0) + ms
         by_kernel[f"{event.key[:90]} (x{event.count // calls})"] = ms
-    top = dict(sorted(by_kernel.items(), key=lambda item: -item[1])[:15])
-    return {"gpu_ms_total": sum(by_class.values()), "ms_by_class": by_class, "top_kernels_ms": top}
+    largest = dict(sorted(by_kernel.items(), key=lambda item: -item[1])[:top])
+    return {"gpu_ms_total": sum(by_class.values()), "ms_by_class": by_class, "top_kernels_ms": largest}
 
 
 def timeline(call, gap_us=20.0) -> dict:
@@ -185,20 +187,24 @@ def kernel_breakdown(model, image) -> dict:
     with instrumented(generate_stages(model)) as (_, arguments):  # the runners' arguments in a real call
         timed_generate(model, image, 1)
     with torch.no_grad():
-        profiles = {name: kernel_profile(lambda: getattr(owner, attribute)(*arguments[f"{name}_ms"][0]))
+        profiles = {name: kernel_profile(lambda: getattr(owner, attribute)(*arguments[f"{name}_ms"][0]), top=25)
                     for name, (owner, attribute) in (("vision", (engine.vision, "encode")),
                                                      ("prefill", (engine.prefill, "run")))}
     return {"decode_step_batch1": decode, "vision_tower": profiles["vision"], "prefill": profiles["prefill"]}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1, help="rows of one 448x448 image + 30 tokens each")
+    args = parser.parse_args()
     device = torch.device("cuda")
     ours, _ = build_models(device, torch.bfloat16)
-    image = image_prompt(ours.config, device, torch.Generator().manual_seed(0))
-    ours.warmup(batch_sizes=[1], cache_lengths=[image["input_ids"].shape[1] + 128], modes=("greedy",))
+    image = image_prompt(ours.config, device, torch.Generator().manual_seed(0), batch=args.batch)
+    ours.warmup(batch_sizes=[args.batch], cache_lengths=[image["input_ids"].shape[1] + 128], modes=("greedy",),
+                image_patches=[image["pixel_values"].shape[0] // args.batch])
     engine = ours.graph_engine()
     pixels, grid = image["pixel_values"].to(torch.bfloat16), image["image_grid_thw"]
-    result = {"ttft_ms": best_ms(lambda: timed_generate(ours, image, 1))}
+    result = {"batch": args.batch, "ttft_ms": best_ms(lambda: timed_generate(ours, image, 1))}
     with instrumented(generate_stages(ours)) as (spans, _):
         total = best_ms(lambda: timed_generate(ours, image, 1), repeats=1)
     spans = {key: value / 2 for key, value in spans.items()}  # best_ms made two calls
