@@ -10,7 +10,6 @@ Run: python bench/probes/attention_launch_probe.py [--shapes ...]
 """
 
 import argparse
-
 import itertools
 import json
 import os
