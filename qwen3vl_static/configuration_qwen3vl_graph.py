@@ -41,9 +41,10 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
             The next chunk is queued before the host reads one, so the GPU does not wait for the host; up to
             `2 * steps_per_sync - 1` steps past the last EOS are computed and dropped.
         prefill_graph_tokens (`int`, defaults to 2048):
-            Largest prompt (batch bucket x token bucket, in tokens) whose language-model prefill is padded to
-            power-of-two token buckets (from 16) and replayed as a CUDA graph; larger prompts run the same prefill
-            eagerly at their exact size. 0 turns prefill graphs off.
+            Largest prompt (batch bucket x token bucket, in tokens) whose language-model prefill is padded to a
+            token bucket (powers of two from 16 to 256, then four per octave: 320, 384, 448, 512, 640, ...) and
+            replayed as a CUDA graph; larger prompts run the same prefill eagerly at their exact size. 0 turns
+            prefill graphs off.
         vision_graph_patches (`int`, defaults to 8192):
             Most patches one vision CUDA graph computes. A call's images and video frames run in chunks of one size
             (a graph per number of images and size, captured on first use, no padding, attention within each image
@@ -136,7 +137,21 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
         """Sorted prompt lengths that get a prefill graph (empty when prefill graphs are off)."""
         if not self.prefill_graph_tokens:
             return []
-        return _buckets(None, 16, self.prefill_graph_tokens, "prompt buckets", "prefill_graph_tokens")
+        return _buckets(_prompt_sizes(self.prefill_graph_tokens), 16, self.prefill_graph_tokens, "prompt buckets",
+                        "prefill_graph_tokens")
+
+
+def _prompt_sizes(top: int) -> list[int]:
+    """Token buckets below `top`: powers of two from 16 to 256, then four per octave (320, 384, 448, 512, 640, ...).
+    Up to about 256 tokens a prefill's matmuls are bound by reading the weights (on an H200, 2 x 256 flops per
+    bf16 weight read is about its ratio of compute to bandwidth), so padding there costs little time; past that
+    their time grows with the tokens, and four buckets per octave bound the padding to a quarter (a 1056-token
+    prompt pads to 1280, not 2048) for a few more graphs."""
+    sizes, size = [], 16
+    while size < top:
+        sizes.append(size)
+        size += size if size < 256 else (1 << (size.bit_length() - 1)) // 4
+    return sizes
 
 
 def _buckets(chosen, start, top, name, top_name) -> list[int]:

@@ -9,6 +9,7 @@ from conftest import build, chat, image
 from qwen3vl_static import ASStaticCache, Qwen3VLGraphConfig
 from qwen3vl_static import compat_qwen3vl_graph as compat
 from qwen3vl_static.presets import real_config, tiny_config
+from qwen3vl_static.runner_qwen3vl_graph import bucket_of
 from qwen3vl_static.vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed
 
 
@@ -64,6 +65,15 @@ def test_buckets_derive_from_limits():
     assert config.cache_buckets() == [256, 300]
     with pytest.raises(ValueError, match="graph_batch_sizes"):
         Qwen3VLGraphConfig(max_batch_size=2, graph_batch_sizes=[1, 4]).batch_buckets()
+
+
+def test_prompt_buckets_pad_long_prompts_by_at_most_a_quarter():
+    buckets = Qwen3VLGraphConfig(prefill_graph_tokens=2048).prompt_buckets()
+    assert buckets[:6] == [16, 32, 64, 128, 256, 320] and buckets[-1] == 2048
+    for length in range(257, 2049):
+        assert bucket_of(buckets, length) <= 1.25 * length
+    assert Qwen3VLGraphConfig(prefill_graph_tokens=300).prompt_buckets() == [16, 32, 64, 128, 256, 300]
+    assert Qwen3VLGraphConfig(prefill_graph_tokens=0).prompt_buckets() == []
 
 
 def test_real_2b_architecture_ships_with_the_package():
