@@ -18,6 +18,7 @@ from .triton_qwen3vl_graph import (
     _release_then_wait,
     _wait_then_release,
     launch,
+    sm_count,
     tl,
     triton,
 )
@@ -314,10 +315,6 @@ if triton is not None:
         for split in range(splits):
             total += tl.load(parts + split * numel + offsets, mask=keep, other=0.0)
         tl.store(out + offsets, total.to(out.dtype.element_ty), mask=keep)
-
-
-def sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def skinny(x, weight) -> bool:

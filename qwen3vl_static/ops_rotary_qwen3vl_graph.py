@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
 
 from .ops_norm_qwen3vl_graph import _load_summed
-from .triton_qwen3vl_graph import _wait_then_release, launch, tl, triton
+from .triton_qwen3vl_graph import _wait_then_release, launch, sm_count, tl, triton
 
 
 def rotary_reference(cos, sin):
@@ -124,38 +124,40 @@ if triton is not None:
     def _qk_norm_rope_write_kernel(
         qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, k_out, v_out, eps, splits,
         split_stride, stride_cache_row, stride_cache_head, stride_cache_slot,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        RETURN_KV: tl.constexpr, PDL: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, KV_BLOCK: tl.constexpr,
+        HEAD_DIM: tl.constexpr, RETURN_KV: tl.constexpr, PDL: tl.constexpr,
     ):
-        """One (token, KV head) per program: its query heads, normed and rotated, to `q_out`; its key, normed and
-        rotated, and its value into the cache (and to `k_out`, `v_out` `(tokens, KV heads, D)` with RETURN_KV). q and
-        k are rounded once to the storage dtype. `qkv` is the projection's output or its `splits` float32 partials
-        (`_load_summed`)."""
+        """One token and KV_BLOCK of its KV heads per program: their query heads, normed and rotated, to `q_out`;
+        their keys, normed and rotated, and values into the cache (and to `k_out`, `v_out` `(tokens, KV heads, D)`
+        with RETURN_KV). q and k are rounded once to the storage dtype. `qkv` is the projection's output or its
+        `splits` float32 partials (`_load_summed`)."""
         # Norm weights never change during a step, so they load before the PDL wait, during the previous kernel.
         q_weights, k_weights = _head_weights(q_weight, HEAD_DIM), _head_weights(k_weight, HEAD_DIM)
         _wait_then_release(PDL)
         row = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_heads = tl.program_id(1) * KV_BLOCK + tl.arange(0, KV_BLOCK)[:, None]
+        members = tl.arange(0, KV_BLOCK * GROUP_PAD)[:, None]  # each KV head's query group, padded
+        q_heads = (tl.program_id(1) * KV_BLOCK + members // GROUP_PAD) * GROUP + members % GROUP_PAD
+        q_kept = members % GROUP_PAD < GROUP
+        every = kv_heads < KV_HEADS
         base = qkv + row * (KV_HEADS * GROUP + 2 * KV_HEADS) * HEAD_DIM
         tables = _rope_tables(cos + row * HEAD_DIM, sin + row * HEAD_DIM, HEAD_DIM)
-        group = tl.arange(0, GROUP_PAD)[:, None]
-        one = tl.arange(0, 1)[:, None]
         dims = tl.arange(0, HEAD_DIM)[None, :]
         dtype = q_out.dtype.element_ty
         # Every load first: a load after a reduction would wait for it.
-        q, q_rolled = _load_heads(base, kv_head * GROUP + group, group < GROUP, splits, split_stride, dtype, HEAD_DIM)
-        k, k_rolled = _load_heads(base, KV_HEADS * GROUP + kv_head + one, one == 0, splits, split_stride, dtype, HEAD_DIM)
-        v = _load_summed(base, (KV_HEADS * GROUP + KV_HEADS + kv_head + one) * HEAD_DIM + dims, one == 0, splits,
+        q, q_rolled = _load_heads(base, q_heads, q_kept, splits, split_stride, dtype, HEAD_DIM)
+        k, k_rolled = _load_heads(base, KV_HEADS * GROUP + kv_heads, every, splits, split_stride, dtype, HEAD_DIM)
+        v = _load_summed(base, (KV_HEADS * GROUP + KV_HEADS + kv_heads) * HEAD_DIM + dims, every, splits,
                          split_stride, dtype, "")
-        slot = (tl.load(cache_rows + row) * stride_cache_row + kv_head * stride_cache_head
+        slot = (tl.load(cache_rows + row) * stride_cache_row + kv_heads * stride_cache_head
                 + tl.load(cache_slots + row) * stride_cache_slot + dims)
         q = _norm_rope(q, q_rolled, q_weights, tables, eps, HEAD_DIM)
-        tl.store(q_out + ((row * KV_HEADS + kv_head) * GROUP + group) * HEAD_DIM + dims, q.to(dtype), mask=group < GROUP)
+        tl.store(q_out + (row * KV_HEADS * GROUP + q_heads) * HEAD_DIM + dims, q.to(dtype), mask=q_kept)
         k = _norm_rope(k, k_rolled, k_weights, tables, eps, HEAD_DIM).to(dtype)
         tl.store(keys + slot, k)
         tl.store(values + slot, v.to(dtype))
         if RETURN_KV:
-            written = (row * KV_HEADS + kv_head) * HEAD_DIM + dims
+            written = (row * KV_HEADS + kv_heads) * HEAD_DIM + dims
             tl.store(k_out + written, k)
             tl.store(v_out + written, v.to(dtype))
 
@@ -209,18 +211,23 @@ def decode_rotary(rotary_emb, hidden, positions, components):
 def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values, cache_rows, cache_slots,
                        return_kv: bool = False):
     """`qk_norm_rope_write_reference` in one launch. `qkv` is the projection's output `(rows, N)`, or its float32
-    partial products `(splits, rows, N)` (`skinny_matmul(..., partials=True)`), summed and rounded here."""
+    partial products `(splits, rows, N)` (`skinny_matmul(..., partials=True)`), summed and rounded here. A decode
+    step's few rows take a program per (token, KV head), which keeps the launch wide; where the tokens alone are at
+    least one per SM (a prefill), a program takes all KV heads of its token: programs of one head there are mostly
+    launch and addressing (an H200 prefill of 2048 tokens spent 24 us a layer in this kernel with them)."""
     rows, n = qkv.shape[-2:]
     kv_heads, head_dim = keys.shape[1], keys.shape[-1]
     q = torch.empty(rows, heads, head_dim, dtype=keys.dtype, device=qkv.device)
     k, v = torch.empty(2, rows, kv_heads, head_dim, dtype=keys.dtype, device=qkv.device) if return_kv else (q, q)
     cos, sin = rotary
     group = heads // kv_heads
-    launch(_qk_norm_rope_write_kernel, (rows, kv_heads),
+    per_token = rows >= sm_count(qkv.device) and kv_heads & (kv_heads - 1) == 0  # `tl.arange` needs a power of two
+    kv_block = kv_heads if per_token else 1
+    launch(_qk_norm_rope_write_kernel, (rows, kv_heads // kv_block),
         qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, k, v, eps,
         qkv.numel() // (rows * n), rows * n, keys.stride(0), keys.stride(1), keys.stride(2),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        RETURN_KV=return_kv,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), KV_HEADS=kv_heads, KV_BLOCK=kv_block,
+        HEAD_DIM=head_dim, RETURN_KV=return_kv,
     )
     return (q, k, v) if return_kv else q
 

@@ -58,6 +58,11 @@ def pdl_capable(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device` (1 off CUDA)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def compiling() -> bool:
     """Whether kernels compile ahead now (`compiling_ahead`): launches only compile and measured ops time nothing."""
     return _COMPILING.get()

@@ -18,11 +18,18 @@ from qwen3vl_static import ops_rotary_qwen3vl_graph as rotary
 pytestmark = needs_triton
 
 
+@pytest.fixture(params=[1, 1000], ids=["program-per-token", "program-per-kv-head"])
+def programs(request, monkeypatch):
+    """The two launch forms of `qk_norm_rope_write`: tokens at least one per SM (a prefill) take a program each, fewer
+    (a decode step) a program per (token, KV head); the SM count decides which these few tokens get."""
+    monkeypatch.setattr(rotary, "sm_count", lambda device: request.param)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cache_rows", [[0, 1, 2], [2, 0, 2]], ids=["one-per-row", "several-per-row"])
-def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows):
+def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows, programs):
     """Prefill writes the prompt's tokens into the cache, several tokens to a row (any token -> (row, slot) map)."""
-    rows, heads, kv_heads, dim, slots = 3, 4, 2, 32, 40
+    rows, heads, kv_heads, dim, slots = 3, 8, 4, 32, 40
     qkv = randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
     q_weight, k_weight = randn(dim, dtype=dtype), randn(dim, dtype=dtype)
     cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
@@ -45,7 +52,7 @@ def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope_write_returns_the_kv_it_writes(dtype):
+def test_qk_norm_rope_write_returns_the_kv_it_writes(dtype, programs):
     """With `return_kv` (a fresh prompt's prefill attends to them there): q as without it, and K/V `(tokens, KV heads,
     D)` equal to what went into the cache, bitwise; the reference's are the reference's."""
     tokens, heads, kv_heads, dim, slots = 5, 4, 2, 32, 8
