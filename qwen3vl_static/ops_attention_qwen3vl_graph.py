@@ -19,19 +19,24 @@ from .triton_qwen3vl_graph import (
 CHUNK = 64  # KV slots per tile of a flash-decoding program
 MERGE_BLOCK = 32  # splits merged per step of flash-decoding's merge
 MAX_SPLITS_PER_ROW = 32
+ONE_TILE_PROGRAMS = 512  # about 4 an SM on an H200
 MAX_PROGRAMS = 2048
 
 
 def split_tiles(rows: int, kv_heads: int, kv_len: int) -> int:
     """Tiles of CHUNK slots per flash-decoding program over a `kv_len` bucket: the fewest (a power of two) that cut
-    each row into at most MAX_SPLITS_PER_ROW splits and the whole launch into at most MAX_PROGRAMS programs. Programs
-    of one tile keep a short cache's launch wide; longer caches and larger batches read faster in fewer, longer
-    programs (on an H200, per layer: batch 1 at 8192 slots 23.8 us with 4 tiles vs 29.6 with 1; batch 8 at 4096
-    slots 55.2 vs 67.0 with 2; batch 64 at 512 slots 48.5 vs 55.3 with 2; `bench/probes/attention_probe.py`)."""
+    each row into at most MAX_SPLITS_PER_ROW splits and the whole launch into at most ONE_TILE_PROGRAMS programs of
+    one tile, or MAX_PROGRAMS of more. Programs of one tile keep a short cache's launch wide, until there are so many
+    that the launch runs in waves, each paying a program's whole latency; longer caches and larger batches read
+    faster in fewer, longer programs (on an H200, per layer: batch 1 at 8192 slots 23.8 us with 4 tiles vs 29.6 with
+    1; batch 8 at 4096 slots 55.2 vs 67.0 with 2; batch 64 at 512 slots 48.5 vs 55.3 with 2;
+    `bench/probes/attention_probe.py`. In the whole step, `attention_split_step_probe.py`: at 1024 slots batch 8 1.525
+    ms/step with 2 tiles vs 1.611-1.641 with 1, batch 16 1.834 vs 1.874-1.930; batch 4 with 2 tiles no faster; more
+    tiles than this rule's slower at batch 64 at 512 slots and batch 8 at 4096)."""
     chunks, tiles = -(-kv_len // CHUNK), 1
     while tiles < chunks:
         splits = -(-chunks // tiles)
-        if splits <= MAX_SPLITS_PER_ROW and rows * kv_heads * splits <= MAX_PROGRAMS:
+        if splits <= MAX_SPLITS_PER_ROW and rows * kv_heads * splits <= (ONE_TILE_PROGRAMS if tiles == 1 else MAX_PROGRAMS):
             break
         tiles *= 2
     return tiles

@@ -66,10 +66,12 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
 
 
 def test_split_tiles_follow_the_cache_and_batch():
-    """One tile per program for short caches; more for long rows (at most 32 splits each) and large launches (at
-    most 2048 programs); never more tiles than the bucket has."""
+    """One tile per program for short caches and small batches (at most 512 such programs); more for long rows (at
+    most 32 splits each) and large launches (at most 2048 programs); never more tiles than the bucket has."""
     from qwen3vl_static.ops_attention_qwen3vl_graph import split_tiles
 
-    assert [split_tiles(rows, 8, kv_len) for rows, kv_len in [(1, 1024), (4, 1024), (8, 1024), (1, 2048)]] == [1, 1, 1, 1]
+    assert [split_tiles(rows, 8, kv_len) for rows, kv_len in [(1, 1024), (4, 1024), (1, 2048)]] == [1, 1, 1]
+    # More than ONE_TILE_PROGRAMS programs of one tile: two tiles each.
+    assert [split_tiles(rows, 8, kv_len) for rows, kv_len in [(8, 1024), (16, 1024), (4, 2048)]] == [2, 2, 2]
     assert [split_tiles(rows, 8, kv_len) for rows, kv_len in [(1, 8192), (8, 4096), (64, 512), (8, 8192)]] == [4, 2, 2, 4]
     assert split_tiles(64, 8, 64) == 1 and split_tiles(4096, 8, 256) == 4
