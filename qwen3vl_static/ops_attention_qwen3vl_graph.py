@@ -36,7 +36,8 @@ def split_tiles(rows: int, kv_heads: int, kv_len: int) -> int:
     chunks, tiles = -(-kv_len // CHUNK), 1
     while tiles < chunks:
         splits = -(-chunks // tiles)
-        if splits <= MAX_SPLITS_PER_ROW and rows * kv_heads * splits <= (ONE_TILE_PROGRAMS if tiles == 1 else MAX_PROGRAMS):
+        most = ONE_TILE_PROGRAMS if tiles == 1 else MAX_PROGRAMS
+        if splits <= MAX_SPLITS_PER_ROW and rows * kv_heads * splits <= most:
             break
         tiles *= 2
     return tiles
