@@ -25,10 +25,13 @@ from qwen3vl_static.ops_rotary_qwen3vl_graph import qk_norm_rope_write
 
 
 def random_fp8(n, k, scale_rows=128, dtype=torch.float32) -> Fp8Weight:
-    """An FP8 matrix of random bytes and random block scales (several scale rows and columns, partial edge blocks)."""
+    """An FP8 matrix of random bytes and random block scales (several scale rows and columns, partial edge blocks).
+    The scales are followed in memory by NaNs: a kernel reading past them poisons its output."""
     data = (torch.randn(n, k, device=DEVICE) * 64).to(torch.float8_e4m3fn)
-    scale = torch.rand(-(-n // scale_rows), -(-k // 128), device=DEVICE) / 256 + 1 / 1024
-    return Fp8Weight(data, scale, scale_rows)
+    shape = (-(-n // scale_rows), -(-k // 128))
+    scales = torch.full((shape[0] * shape[1] + 256,), float("nan"), device=DEVICE)
+    scales[: shape[0] * shape[1]] = torch.rand(shape[0] * shape[1], device=DEVICE) / 256 + 1 / 1024
+    return Fp8Weight(data, scales[: shape[0] * shape[1]].view(shape), scale_rows)
 
 
 def reference(x, weight, bias=None):
