@@ -174,8 +174,9 @@ if triton is not None:
                 x_rows = tl.load(x + row_ids[:, None] * stride_x + ks[None, :],
                                  mask=(row_ids[:, None] < rows) & (ks[None, :] < k_len), other=0.0)
                 x16, x_scale = _float16_columns(tl.trans(_mma_inputs(x_rows, ROWS)))
-                # A block past K (the last range's tail) reads no scale (zero weights would not cancel a NaN).
-                s = tl.load(scale + mma_scale_rows * stride_s + start // 128, mask=mma_live_rows & (start < k_len),
+                # A block past K (the last range's tail) reads the last block's scale, not past the row: its weights
+                # are masked to zero, which would not cancel a NaN read there.
+                s = tl.load(scale + mma_scale_rows * stride_s + tl.minimum(start, k_len - 1) // 128, mask=mma_live_rows,
                             other=0.0)
                 w = _fp8_mma_tile(weight, weight_rows, live_rows, start, k_len, stride_w, BLOCK_N)
                 acc += tl.dot(w, x16) * (s[:, None] * x_scale[None, :])
