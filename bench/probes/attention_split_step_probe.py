@@ -10,11 +10,11 @@ stage instead of Triton's default three. The shipped rule runs first and again l
 Run: python bench/probes/attention_split_step_probe.py
 """
 
-import gc
+import importlib.util
 import json
-from contextlib import contextmanager
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,8 +23,11 @@ if not torch.cuda.is_available():
     sys.exit("attention_split_step_probe.py needs a CUDA device.")
 
 from qwen3vl_static import ops_attention_qwen3vl_graph as attention
-from qwen3vl_static.bench import LONG, decode_slope
-from qwen3vl_static.workloads import build_ours, generate_exactly_as_asked, text_prompt
+from qwen3vl_static.bench import LONG
+
+spec = importlib.util.spec_from_file_location("attention_step_probe", Path(__file__).with_name("attention_step_probe.py"))
+step_probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(step_probe)  # its `decode_ms`
 
 SHAPES = [(1, 512), (4, 512), (8, 512), (16, 512), (64, 256), (8, 4000)]  # (batch, prompt tokens)
 KV_HEADS = 8
@@ -49,20 +52,6 @@ def rule(cap=None, one_stage=False):
         yield
     finally:
         (attention.ONE_TILE_PROGRAMS, attention.MAX_PROGRAMS), attention.launch = caps, SHIPPED_LAUNCH
-
-
-def measure(batch, context) -> float:
-    model = build_ours(torch.device("cuda"), torch.bfloat16, max_batch_size=max(8, batch),
-                       static_cache_len=8192 if context > 1024 else 1024)
-    generate_exactly_as_asked(model)
-    prompt = text_prompt(model.config, batch, context, "cuda", torch.Generator().manual_seed(0))
-    model.warmup(batch_sizes=[batch], cache_lengths=[context + LONG], modes=("greedy",), prompt_lengths=[context],
-                 image_patches=[])
-    ms, _ = decode_slope(model, prompt)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return ms
 
 
 def kv_bucket(context) -> int:
@@ -90,7 +79,8 @@ def main() -> None:
         for name, cap, one_stage in variants:
             with rule(cap, one_stage):
                 row["tiles"][name] = attention.split_tiles(batch, KV_HEADS, kv_len)
-                row["ms_per_step"][name] = measure(batch, context)
+                row["ms_per_step"][name] = step_probe.decode_ms(batch, context, max_batch_size=max(8, batch),
+                                                                   static_cache_len=8192 if context > 1024 else 1024)
             print(f"batch {batch} at {context} ({kv_len} slots): {name} (tiles {row['tiles'][name]}) "
                   f"{row['ms_per_step'][name]:.3f} ms/step", flush=True)
         rows.append(row)

@@ -40,9 +40,10 @@ class ZeroedAfterLoading:
         return forms._splits_kernel.warmup(*args, **kwargs, MASK_IN_LOAD=False, P_FORM=0)
 
 
-def measure(kernel, batch, context) -> float:
-    ops_attention_qwen3vl_graph._decode_attention_kernel = kernel
-    model = build_ours(torch.device("cuda"), torch.bfloat16, static_cache_len=8192)
+def decode_ms(batch, context, static_cache_len=8192, **settings) -> float:
+    """Greedy decode ms/step (the benchmark's slope) of a bf16 model built for `batch` rows of `context`-token text
+    prompts, warmed for that shape and freed afterwards (`attention_split_step_probe.py` measures with it too)."""
+    model = build_ours(torch.device("cuda"), torch.bfloat16, static_cache_len=static_cache_len, **settings)
     generate_exactly_as_asked(model)
     prompt = text_prompt(model.config, batch, context, "cuda", torch.Generator().manual_seed(0))
     model.warmup(batch_sizes=[batch], cache_lengths=[context + LONG], modes=("greedy",), prompt_lengths=[context],
@@ -51,8 +52,15 @@ def measure(kernel, batch, context) -> float:
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    ops_attention_qwen3vl_graph._decode_attention_kernel = SHIPPED
     return ms
+
+
+def measure(kernel, batch, context) -> float:
+    ops_attention_qwen3vl_graph._decode_attention_kernel = kernel
+    try:
+        return decode_ms(batch, context)
+    finally:
+        ops_attention_qwen3vl_graph._decode_attention_kernel = SHIPPED
 
 
 def main() -> None:
