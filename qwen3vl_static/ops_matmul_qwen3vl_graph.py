@@ -56,6 +56,11 @@ def linear_gelu_tanh_reference(x, weight, bias):
 if triton is not None:
 
     @triton.jit
+    def _swiglu(gate, up):
+        """silu(gate) * up in float32, of float32 values already rounded as the projection's output."""
+        return gate / (1.0 + tl.exp(-gate)) * up
+
+    @triton.jit
     def _silu_mul_kernel(gate_up, out, n_cols, splits, split_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
         _wait_then_release(PDL)
         row = tl.program_id(0)
@@ -64,7 +69,7 @@ if triton is not None:
         dtype = out.dtype.element_ty
         gate = _load_summed(gate_up, row * 2 * n_cols + cols, keep, splits, split_stride, dtype, "")
         up = _load_summed(gate_up, row * 2 * n_cols + n_cols + cols, keep, splits, split_stride, dtype, "")
-        tl.store(out + row * n_cols + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(dtype), mask=keep)
+        tl.store(out + row * n_cols + cols, _swiglu(gate, up).to(dtype), mask=keep)
 
     @triton.jit
     def _float16_columns(x):
@@ -192,24 +197,42 @@ if triton is not None:
                 acc = tl.dot(w, x_t, acc)
         return acc
 
+    @triton.jit
+    def _store_tile(y, out, rows, n_cols, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+        """This program's finished tile, `y` float32 `(BLOCK_N, ROWS)` rounded as the projection's output, to `out`
+        `(rows, n_cols)`: y itself, or SWIGLU (gate rows, then up rows) silu(gate) * up for BLOCK_N / 2 columns."""
+        row_ids = tl.arange(0, ROWS)
+        if SWIGLU:
+            gate, up = tl.split(tl.permute(tl.reshape(y, (2, BLOCK_N // 2, ROWS)), (1, 2, 0)))
+            y = _swiglu(gate, up)
+            cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        else:
+            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out + row_ids[None, :] * n_cols + cols[:, None], y.to(out.dtype.element_ty),
+                 mask=(cols[:, None] < n_cols) & (row_ids[None, :] < rows))
+
     @triton.jit(do_not_specialize=["rows", "splits"])  # one compiled variant for every row count (Triton would single out 1)
     def _skinny_matmul_kernel(
-        x, weight, scale, out, rows, n_cols, k_len, k_split, stride_x, stride_w, stride_s,
-        hidden, norm_weight, sum_out, norm_out, eps, ticket, splits,
+        x, weight, scale, parts, out, rows, n_cols, k_len, k_split, stride_x, stride_w, stride_s,
+        hidden, norm_weight, sum_out, eps, ticket, splits,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
-        FMA_ROWS: tl.constexpr, SWIGLU: tl.constexpr,
+        FMA_ROWS: tl.constexpr, SWIGLU: tl.constexpr, PARTIALS: tl.constexpr, SUM_SPLITS: tl.constexpr,
         ADD_RMS_NORM: tl.constexpr, BLOCK_ROW: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
     ):
-        """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. `out` is y
-        itself, or this K range's float32 partial `(splits, rows, n_cols)`.
+        """`x @ weight.T` for at most ROWS rows: one program per (BLOCK_N columns, K range), `_gemv_tile`. It stores y
+        to `out`; PARTIALS, its K range's float32 partial to `parts` `(splits, rows, weight rows)` instead.
+
+        SUM_SPLITS (K split): each program stores its partial and the last of a column tile's programs to finish (a
+        ticket per column tile counts them) sums the tile's partials in split order and finishes it (y, or SwiGLU):
+        the split costs no launch of its own to sum them.
 
         SWIGLU: `weight` is the fused gate/up matrix `(2 n_cols, K)`; each program's tile is BLOCK_N / 2 gate rows and
         the up rows of the same columns, one `tl.dot` as wide as a plain projection's, and it stores silu(gate) * up
-        for those BLOCK_N / 2 columns, rounded as the separate ops round (one K range).
+        for those BLOCK_N / 2 columns, rounded as the separate ops round.
 
-        ADD_RMS_NORM: `out` takes the float32 partials and the last program to finish (a ticket counts them) sums
-        them, rounds y, adds it to `hidden` (the residual stream) and stores the sum and its RMSNorm, rounded as the
-        separate ops round: the residual add and the norm after a projection cost no launch of their own.
+        ADD_RMS_NORM (with PARTIALS): the last program to finish (a ticket counts them) sums the partials, rounds y,
+        adds it to `hidden` (the residual stream) and stores the sum to `sum_out` and its RMSNorm to `out`, rounded as
+        the separate ops round: the residual add and the norm after a projection cost no launch of their own.
 
         PRELOAD: the program's whole K range (BLOCK_K == k_split) is one weight tile, loaded before the PDL wait (and,
         16-bit, staged in shared memory for the `tl.dot`, also before it, as compiled for sm90; FP8, the FMA form's
@@ -222,30 +245,38 @@ if triton is not None:
         after the loop's loads.)"""
         split = tl.program_id(1)
         row_ids = tl.arange(0, ROWS)
+        tile_rows = tl.arange(0, BLOCK_N)
+        if SWIGLU:  # gate rows, then the up rows of the same columns
+            cols = tl.program_id(0) * (BLOCK_N // 2) + tile_rows % (BLOCK_N // 2)
+            weight_rows = cols + tile_rows // (BLOCK_N // 2) * n_cols
+        else:
+            cols = tl.program_id(0) * BLOCK_N + tile_rows
+            weight_rows = cols
         if PRELOAD and not FMA_ROWS:
-            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             ks = split * k_split + tl.arange(0, BLOCK_K)
-            tile = tl.load(weight + cols[:, None] * stride_w + ks[None, :],
+            tile = tl.load(weight + weight_rows[:, None] * stride_w + ks[None, :],
                            mask=(cols[:, None] < n_cols) & (ks[None, :] < k_len), other=0.0)
             _release_then_wait(PDL)
             acc = tl.dot(tile, tl.load(x + row_ids[None, :] * stride_x + ks[:, None],
                                        mask=(row_ids[None, :] < rows) & (ks[:, None] < k_len), other=0.0))
-        elif SWIGLU:
-            tile_rows = tl.arange(0, BLOCK_N)
-            cols = tl.program_id(0) * (BLOCK_N // 2) + tile_rows % (BLOCK_N // 2)
-            acc = _gemv_tile(x, weight, scale, rows, cols + tile_rows // (BLOCK_N // 2) * n_cols, cols < n_cols, k_len,
-                             split * k_split, k_split, stride_x, stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS,
-                             FMA_ROWS, PRELOAD, PDL)
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N // 2, ROWS)), (1, 2, 0)))
-            gate = gate.to(out.dtype.element_ty).to(tl.float32)
-            acc = gate / (1.0 + tl.exp(-gate)) * up.to(out.dtype.element_ty).to(tl.float32)
-            cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         else:
-            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = _gemv_tile(x, weight, scale, rows, cols, cols < n_cols, k_len, split * k_split, k_split, stride_x,
-                             stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS, FMA_ROWS, PRELOAD, PDL)
-        keep = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
-        tl.store(out + (split * rows + row_ids[None, :]) * n_cols + cols[:, None], acc.to(out.dtype.element_ty), mask=keep)
+            acc = _gemv_tile(x, weight, scale, rows, weight_rows, cols < n_cols, k_len, split * k_split, k_split,
+                             stride_x, stride_w, stride_s, ROWS, BLOCK_N, BLOCK_K, SCALE_ROWS, FMA_ROWS, PRELOAD, PDL)
+        width = 2 * n_cols if SWIGLU else n_cols
+        live = (cols[:, None] < n_cols) & (row_ids[None, :] < rows)
+        if PARTIALS or SUM_SPLITS:
+            tl.store(parts + (split * rows + row_ids[None, :]) * width + weight_rows[:, None], acc, mask=live)
+        if SUM_SPLITS:
+            # The barrier puts all of this program's stores before the ticket's release; the ticket's acquire puts
+            # the tile's other programs' stores before the last one's reads (which bypass L1).
+            tl.debug_barrier()
+            if tl.atomic_add(ticket + tl.program_id(0), 1, sem="acq_rel") == splits - 1:
+                y = _load_summed(parts, row_ids[None, :] * width + weight_rows[:, None], live, splits, rows * width,
+                                 out.dtype.element_ty, ".cg")
+                _store_tile(y, out, rows, n_cols, ROWS, BLOCK_N, SWIGLU)
+                tl.store(ticket + tl.program_id(0), 0)  # ready for the next launch
+        elif not PARTIALS:
+            _store_tile(acc.to(out.dtype.element_ty).to(tl.float32), out, rows, n_cols, ROWS, BLOCK_N, SWIGLU)
         if ADD_RMS_NORM:
             # The barrier puts all of this program's stores before the ticket's release; the ticket's acquire puts
             # every other program's stores before the last program's reads (which bypass L1).
@@ -257,10 +288,10 @@ if triton is not None:
                 for row in range(rows):
                     h = tl.load(hidden + row * n_cols + row_cols, mask=row_keep, other=0.0)
                     # y rounded as the projection's output, the sum as `hidden + y`.
-                    y = _load_summed(out, row * n_cols + row_cols, row_keep, splits, rows * n_cols, h.dtype, ".cg")
+                    y = _load_summed(parts, row * n_cols + row_cols, row_keep, splits, rows * n_cols, h.dtype, ".cg")
                     h = (h.to(tl.float32) + y).to(h.dtype)
                     tl.store(sum_out + row * n_cols + row_cols, h, mask=row_keep)
-                    _store_rms_norm(h, row_cols, row_keep, w, norm_out + row * n_cols, n_cols, eps)
+                    _store_rms_norm(h, row_cols, row_keep, w, out + row * n_cols, n_cols, eps)
                 tl.store(ticket, 0)  # ready for the next launch
 
     @triton.jit(do_not_specialize=["rows", "splits"])
@@ -307,17 +338,6 @@ if triton is not None:
                         + tl.load(cache_slots + row, mask=keep, other=0) * stride_cache_slot + dims)
                 tl.store(tl.where(head < HEADS + KV_HEADS, keys, values) + slot, y, mask=keep)
             tl.store(tickets + head, 0)  # ready for the next launch
-
-    @triton.jit
-    def _sum_splits_kernel(parts, out, numel, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """Split-K, pass 2: add the float32 partials and round once."""
-        _wait_then_release(PDL)
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        keep = offsets < numel
-        total = tl.zeros((BLOCK,), tl.float32)
-        for split in range(splits):
-            total += tl.load(parts + split * numel + offsets, mask=keep, other=0.0)
-        tl.store(out + offsets, total.to(out.dtype.element_ty), mask=keep)
 
 
 def skinny(x, weight) -> bool:
@@ -393,35 +413,31 @@ def fma_rows(config, rows) -> int:
     return triton.next_power_of_2(rows) if config.fma else 0
 
 
-def skinny_config(n, k, sms, block_n=64, block_k=128, can_split=True) -> SkinnyConfig:
+def skinny_config(n, k, sms, block_n=64, block_k=128) -> SkinnyConfig:
     """The skinny matmul's tiling for an (N, K) weight on `sms` SMs: one rule, so few compiled variants.
 
     A GEMV is as fast as the weight bytes it keeps in flight. Each program streams `block_n` x `block_k` tiles
     through a 4-stage pipeline; a matrix with fewer column tiles than SMs also splits K (doubling, while each
-    range keeps at least two K steps and there is at most one program per SM), its float32 partials summed by a
-    second kernel. On an H200, up to two programs per SM split too far: in chains of 28 calls under PDL, o_proj
-    takes 5.0 µs at one per SM against 5.9, down_proj 8.9 against 9.7, the QKV projection 6.6 against 6.9. Where K
-    cannot be split (an epilogue needs whole sums), narrower column tiles fill the SMs.
+    range keeps at least two K steps and there is at most one program per SM), its float32 partials summed by the
+    last program of each column tile. On an H200, up to two programs per SM split too far: in chains of 28 calls under
+    PDL, o_proj takes 5.0 µs at one per SM against 5.9, down_proj 8.9 against 9.7, the QKV projection 6.6 against 6.9.
     """
     tiles, split = triton.cdiv(n, block_n), 1
-    while can_split and 2 * tiles * split <= sms and k >= 4 * split * block_k:
+    while 2 * tiles * split <= sms and k >= 4 * split * block_k:
         split *= 2
-    while not can_split and tiles < sms and block_n > 32:
-        block_n //= 2
-        tiles = triton.cdiv(n, block_n)
     return SkinnyConfig(block_n, block_k, split, num_warps=4, num_stages=4)
 
 
-def rule_config(weight, can_split=True) -> SkinnyConfig:
+def rule_config(weight) -> SkinnyConfig:
     """`skinny_config`'s rule for `weight` on its device."""
-    return skinny_config(*weight.shape, sm_count(weight.device), can_split=can_split)
+    return skinny_config(*weight.shape, sm_count(weight.device))
 
 
-def stage_configs(rule, weight=None, can_split=True, rows=1) -> tuple:
+def stage_configs(rule, weight=None, rows=1) -> tuple:
     """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection of `rows` rows is measured at
-    (for an `Fp8Weight` whose K may be split, `fp8_dot_configs` and the FMA form's too)."""
+    (for an `Fp8Weight`, `fp8_dot_configs` and the FMA form's too)."""
     stages = rule._replace(num_stages=4), rule._replace(num_stages=6)
-    if isinstance(weight, Fp8Weight) and can_split:
+    if isinstance(weight, Fp8Weight):
         return stages + tuple(fp8_dot_configs(weight) + fma_configs(weight, rows))
     return stages
 
@@ -458,44 +474,44 @@ def skinny_matmul(x, weight, config=None, swiglu=False, add_rms_norm=None, parti
     half of them gate rows). `add_rms_norm`: (hidden, norm weight, eps); returns `add_rms_norm(hidden, x @
     weight.T, ...)` instead, from the same launch, whose last program `ticket` (a counter at zero, left at zero)
     finds. `partials`: returns the K ranges' float32 partial products `(splits, M, N)` unsummed, for the next kernel
-    to sum as it loads them (`add_rms_norm`, `qk_norm_rope_write`): no launch of their own to sum them."""
+    to sum as it loads them (`add_rms_norm`, `qk_norm_rope_write`). Otherwise a split K is summed in the same launch,
+    by the last program of each column tile: `ticket` then holds a counter (at zero, left at zero) per column tile."""
     rows, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     if config is None:
-        config = rule_config(weight, can_split=not swiglu)
+        config = rule_config(weight)
     k_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     splits = triton.cdiv(k, k_split)
-    if swiglu and splits > 1:
-        raise ValueError("the SwiGLU epilogue needs whole sums: split_k must be 1")
     if config.preload and not config.fma and (swiglu or k_split != config.block_k):
         raise ValueError(f"a preloaded tile spans a program's whole K range: block_k must be {k_split}, "
                          "without SwiGLU")
     check_fp8_tiling(weight, config, k_split)
     fused_norm = add_rms_norm is not None
-    if fused_norm and ticket is None:
-        raise ValueError("the add-and-norm epilogue needs a ticket (a counter of finished programs)")
+    if swiglu and (fused_norm or partials):
+        raise ValueError("the SwiGLU epilogue returns the activation, not partial products or a norm")
+    partials = partials or fused_norm
+    sum_splits = splits > 1 and not partials
+    tiles = triton.cdiv(n, config.block_n // 2 if swiglu else config.block_n)
+    counters = tiles if sum_splits else 1 if fused_norm else 0
+    if counters and (ticket is None or ticket.numel() < counters):
+        raise ValueError(f"this launch needs a ticket of {counters} counters (finished programs), at zero")
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    parts = (out if splits == 1 and not (fused_norm or partials)
-             else torch.empty(splits, rows, n, dtype=torch.float32, device=x.device))
+    parts = (torch.empty(splits, rows, weight.shape[0], dtype=torch.float32, device=x.device)
+             if partials or sum_splits else out)
     hidden, norm_weight, eps = add_rms_norm if fused_norm else (out, out, 0.0)
     sums = torch.empty_like(hidden) if fused_norm else out
     matrix, scale, stride_s, scale_rows = weight_operands(weight)
-    launch(_skinny_matmul_kernel, (triton.cdiv(n, config.block_n // 2 if swiglu else config.block_n), splits),
-        x, matrix, scale, parts, rows, n, k, k_split, x.stride(0), matrix.stride(0), stride_s,
-        hidden, norm_weight, sums, out, eps, ticket if fused_norm else out, splits,
+    launch(_skinny_matmul_kernel, (tiles, splits),
+        x, matrix, scale, parts, out, rows, n, k, k_split, x.stride(0), matrix.stride(0), stride_s,
+        hidden, norm_weight, sums, eps, ticket if counters else out, splits,
         ROWS=padded_rows(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
-        FMA_ROWS=fma_rows(config, rows), SWIGLU=swiglu,
+        FMA_ROWS=fma_rows(config, rows), SWIGLU=swiglu, PARTIALS=partials, SUM_SPLITS=sum_splits,
         ADD_RMS_NORM=fused_norm, BLOCK_ROW=triton.next_power_of_2(n), PRELOAD=config.preload,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if fused_norm:
         return sums, out
-    if partials:
-        return parts
-    if splits > 1:
-        block = 1024
-        launch(_sum_splits_kernel, (triton.cdiv(rows * n, block),), parts, out, rows * n, splits, BLOCK=block)
-    return out
+    return parts if partials else out
 
 
 def fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots, config, tickets):

@@ -128,7 +128,7 @@ class TritonOps(TorchOps):
     """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output. The measured
     choices are `tuner`'s; the counters of finished programs that some kernels use (`ticket`) are this set's."""
 
-    TICKETS = 256  # counters per device
+    TICKETS = 4096  # counters per device (a split projection takes one per column tile)
 
     def __init__(self, tuner: KernelTuner):
         super().__init__(tuner)
@@ -155,6 +155,10 @@ class TritonOps(TorchOps):
             self.tickets[device] = torch.zeros(self.TICKETS, dtype=torch.int32, device=device)
         return self.tickets[device][:count]
 
+    def column_tickets(self, device) -> torch.Tensor:
+        """All the device's counters, for a split projection (`skinny_matmul`'s one per column tile)."""
+        return self.ticket(device, self.TICKETS)
+
     def linear(self, x, weight, bias=None):
         """cuBLAS or the skinny Triton matmul (up to SKINNY_ROWS rows), whichever measured faster on this device for
         these (M, N, K, dtype). The skinny matmul runs at the rule's tiling with a 4- or a 6-stage pipeline: on an
@@ -167,12 +171,12 @@ class TritonOps(TorchOps):
             if bias is not None or not skinny(x, weight):
                 return fp8_matmul(x, weight, bias)
             dequantized = [lambda: fp8_matmul(x, weight)] if rows > DOT_ROWS else []
-            candidates = [*dequantized, *(lambda config=config: skinny_matmul(x, weight, config)
+            candidates = [*dequantized, *(lambda config=config: skinny_matmul(x, weight, config, ticket=self.column_tickets(x.device))
                                           for config in stage_configs(rule_config(weight), weight, rows=rows))]
             return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
         if bias is not None or not skinny(x, weight):
             return F.linear(x, weight, bias)
-        candidates = (lambda: F.linear(x, weight), *(lambda config=config: skinny_matmul(x, weight, config)
+        candidates = (lambda: F.linear(x, weight), *(lambda config=config: skinny_matmul(x, weight, config, ticket=self.column_tickets(x.device))
                                                       for config in stage_configs(rule_config(weight), weight, rows=rows)))
         return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
 
@@ -184,19 +188,20 @@ class TritonOps(TorchOps):
 
     def linear_swiglu(self, x, gate_up_weight):
         """Whichever measured fastest of: the gate/up projection then the SwiGLU kernel; the skinny matmul's partial
-        products, summed by the SwiGLU kernel (at `stage_configs`' tilings); one skinny matmul with SwiGLU as its
-        epilogue (4 or 6 stages, K whole)."""
+        products, summed by the SwiGLU kernel; one skinny matmul with SwiGLU as its epilogue (a split K summed in the
+        same launch). The skinny forms run at `stage_configs`' tilings."""
         def separate():
             return super(TritonOps, self).linear_swiglu(x, gate_up_weight)
 
         if not skinny(x, gate_up_weight):
             return separate()
+        tilings = stage_configs(rule_config(gate_up_weight), gate_up_weight, rows=x.shape[0])
         summed_by_swiglu = [lambda config=config: silu_mul(skinny_matmul(x, gate_up_weight, config, partials=True),
                                                            x.dtype)
-                            for config in stage_configs(rule_config(gate_up_weight), gate_up_weight, rows=x.shape[0])]
-        fused = [lambda config=config: skinny_matmul(x, gate_up_weight, config, swiglu=True)
-                 for config in stage_configs(rule_config(gate_up_weight, can_split=False), gate_up_weight,
-                                             can_split=False)]
+                            for config in tilings]
+        fused = [lambda config=config: skinny_matmul(x, gate_up_weight, config, swiglu=True,
+                                                     ticket=self.column_tickets(x.device))
+                 for config in tilings]
         return self.tuner.measured("linear_swiglu", matmul_shape(x, gate_up_weight), x.device,
                                    (separate, *summed_by_swiglu, *fused))
 

@@ -58,27 +58,27 @@ def main():
     matmul.launch = compile_launch
     n, k, heads, kv_heads, head_dim = 1024, 1024, 4, 2, 128
     fp8, bf16 = random_fp8(n, k), torch.randn(n, k, dtype=torch.bfloat16)
-    ticket = torch.zeros(heads + 2 * kv_heads, dtype=torch.int32)
+    ticket = torch.zeros(4096, dtype=torch.int32)  # as TritonOps.TICKETS
     rule = matmul.skinny_config(n, k, 132)
     qkv = random_fp8((heads + 2 * kv_heads) * head_dim, k)
     norms = torch.ones(head_dim, dtype=torch.bfloat16), torch.ones(head_dim, dtype=torch.bfloat16), 1e-6
     for rows in (1, 8, 40):
         x, hidden = torch.randn(rows, k, dtype=torch.bfloat16), torch.randn(rows, n, dtype=torch.bfloat16)
-        # The FP8 forms at their measured tilings and the narrow tiles the rule takes where K cannot be split.
+        # The FP8 forms at their measured tilings, and unsplit.
         fp8_configs = [*matmul.fp8_dot_configs(fp8), *matmul.fma_configs(fp8, rows)[:2], rule,
-                       rule._replace(block_n=32, split_k=1)]
+                       rule._replace(split_k=1)]
         for config in fp8_configs:
-            matmul.skinny_matmul(x, fp8, config)
+            matmul.skinny_matmul(x, fp8, config, ticket=ticket)
             if config.split_k > 1 and rows <= matmul.DOT_ROWS:
                 matmul.skinny_matmul(x, fp8, config, add_rms_norm=(hidden, hidden[0], 1e-6), ticket=ticket)
-        for config in (fp8_configs[1], rule):
-            matmul.skinny_matmul(x, fp8, config._replace(split_k=1), swiglu=True)
+        for config in (fp8_configs[1], rule, rule._replace(split_k=1)):
+            matmul.skinny_matmul(x, fp8, config, swiglu=True, ticket=ticket)
         cache = torch.zeros(rows, kv_heads, 4, head_dim, dtype=torch.bfloat16)
         rotary = (torch.randn(rows, head_dim, dtype=torch.bfloat16),) * 2
         slots = torch.zeros(rows, dtype=torch.int64)
         for config in (matmul.fp8_dot_configs(qkv)[1], *matmul.fma_configs(qkv, rows)[:2]):
             matmul.fused_qkv(x, qkv, heads, norms, rotary, cache, cache.clone(), slots, slots, config, ticket)
-        matmul.skinny_matmul(x, bf16, rule)
+        matmul.skinny_matmul(x, bf16, rule, ticket=ticket)
     print(f"{len(compiled)} kernels compiled for sm_90")
 
 

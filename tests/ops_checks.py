@@ -22,6 +22,11 @@ TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol
 Torch, Triton = TorchOps(), TritonOps(KernelTuner())
 
 
+def column_tickets() -> torch.Tensor:
+    """The test device's counters, as many as a split projection may take (one per column tile)."""
+    return Triton.column_tickets(torch.device(DEVICE))
+
+
 def randn(*shape, dtype):
     return torch.randn(*shape, device=DEVICE).to(dtype)
 

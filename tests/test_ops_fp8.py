@@ -10,6 +10,7 @@ from ops_checks import (
     Torch,
     Triton,
     assert_close_at_scale,
+    column_tickets,
     needs_triton,
     poisoned_empty,
     randn,
@@ -78,7 +79,7 @@ def test_skinny_matmul_on_fp8_tiles(dtype, rows, scale_rows, form):
     config = matmul.SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2,
                                  preload=form == "fma-preloaded", fma=form.startswith("fma"))
     with poisoned_empty():
-        out = matmul.skinny_matmul(x, weight, config)
+        out = matmul.skinny_matmul(x, weight, config, ticket=column_tickets())
     (assert_close_at_scale if config.fma else assert_fp8_close)(out, reference(x, weight))
 
 
@@ -90,7 +91,7 @@ def test_skinny_matmul_on_fp8_tiles_of_many_rows(dtype, block_n, split_k):
     x, weight = randn(40, 300, dtype=dtype), random_fp8(200, 300, 128)
     config = matmul.SkinnyConfig(block_n=block_n, block_k=128, split_k=split_k, num_warps=4, num_stages=2)
     with poisoned_empty():
-        out = matmul.skinny_matmul(x, weight, config)
+        out = matmul.skinny_matmul(x, weight, config, ticket=column_tickets())
     assert_fp8_close(out, reference(x, weight))
 
 
@@ -105,7 +106,7 @@ def test_fp8_tiles_take_x_beyond_float16s_range():
     x[3, :100] *= 1e6
     for config in (matmul.SkinnyConfig(32, 128, 2, 4, 2), *matmul.fma_configs(weight, 4)[:1]):
         with poisoned_empty():
-            out = matmul.skinny_matmul(x, weight, config)
+            out = matmul.skinny_matmul(x, weight, config, ticket=column_tickets())
         expected = reference(x, weight)
         for row in range(4):
             assert_close_at_scale(out[row], expected[row])
@@ -145,9 +146,9 @@ def test_fp8_epilogues(dtype):
     x = randn(rows, 256, dtype=dtype)
     gate_up = random_fp8(2 * 96, 256, scale_rows=32)
     config = matmul.SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=2)
-    for form in (config, config._replace(block_k=256, fma=True)):
+    for form in (config, config._replace(split_k=2), config._replace(block_k=256, fma=True)):
         with poisoned_empty():
-            out = matmul.skinny_matmul(x, gate_up, form, swiglu=True)
+            out = matmul.skinny_matmul(x, gate_up, form, swiglu=True, ticket=column_tickets())
         (assert_close_at_scale if form.fma else assert_fp8_close)(out, matmul.silu_mul_reference(reference(x, gate_up)))
     weight, hidden, norm_weight = random_fp8(100, 256), randn(rows, 100, dtype=dtype), randn(100, dtype=dtype)
     with poisoned_empty():

@@ -11,6 +11,7 @@ from ops_checks import (
     Triton,
     assert_close_at_scale,
     assert_matmul_close,
+    column_tickets,
     needs_triton,
     poisoned_empty,
     randn,
@@ -88,11 +89,27 @@ def test_silu_mul(dtype):
 @pytest.mark.parametrize("rows", [1, 3, 8, 40, matmul.SKINNY_ROWS])  # 40 and 64 rows: `tl.dot`s 64 rows wide
 @pytest.mark.parametrize("form", SKINNY_CONFIGS)
 def test_skinny_matmul(dtype, rows, form):
-    # N and K are not multiples of the blocks.
+    """N and K are not multiples of the blocks. A split K is summed in the same launch (each column tile's last
+    program) exactly as the partial products would be summed in split order, and the counters are back at zero."""
     x, weight = randn(rows, 200, dtype=dtype), randn(100, 200, dtype=dtype)
+    config = SKINNY_CONFIGS[form]
     with poisoned_empty():  # the output and the split-K partials
-        out = matmul.skinny_matmul(x, weight, SKINNY_CONFIGS[form])
+        out = matmul.skinny_matmul(x, weight, config, ticket=column_tickets())
+        parts = matmul.skinny_matmul(x, weight, config, partials=True)
     assert_matmul_close(out, (x, weight), matmul.linear_reference)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    torch.testing.assert_close(out, total.to(dtype), rtol=0, atol=0)
+    assert not column_tickets().any()
+
+
+def test_a_split_k_needs_its_counters():
+    x, weight = randn(1, 200, dtype=torch.float32), randn(100, 200, dtype=torch.float32)
+    matmul.skinny_matmul(x, weight, SKINNY_CONFIGS["one-pass"])  # one K range: nothing to count
+    for ticket in (None, column_tickets()[:3]):  # 4 column tiles
+        with pytest.raises(ValueError, match="4 counters"):
+            matmul.skinny_matmul(x, weight, SKINNY_CONFIGS["split-k"], ticket=ticket)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -119,8 +136,6 @@ def test_skinny_config_splits_narrow_matrices_only():
     assert wide.split_k == 1 and narrow.split_k > 1
     assert 6144 // narrow.split_k >= 2 * narrow.block_k  # every K range takes at least two steps
     assert 2048 // narrow.block_n * narrow.split_k <= 132 < 2048 // narrow.block_n * narrow.split_k * 2  # one per SM
-    whole_sums = matmul.skinny_config(6144, 2048, sms=132, can_split=False)  # SwiGLU epilogue: narrower tiles instead
-    assert whole_sums.split_k == 1 and whole_sums.block_n == 32
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,18 +150,20 @@ def test_linear_takes_the_kernel_or_cublas_by_shape(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_linear_swiglu_fused_and_chosen(dtype, rows):
-    """SwiGLU as the gate/up matmul's epilogue (the up columns of each gate column in the same program) equals the
-    matmul then the SwiGLU kernel."""
+@pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
+def test_linear_swiglu_fused_and_chosen(dtype, rows, split_k):
+    """SwiGLU as the gate/up matmul's epilogue (the up columns of each gate column in the same program; a split K
+    summed by each column tile's last program) equals the matmul then SwiGLU; the counters are back at zero."""
     x, gate_up_weight = randn(rows, 200, dtype=dtype), randn(2 * 100, 200, dtype=dtype)
-    config = matmul.SkinnyConfig(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=2)
+    config = matmul.SkinnyConfig(block_n=32, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
     with poisoned_empty():
-        out = matmul.skinny_matmul(x, gate_up_weight, config, swiglu=True)
+        out = matmul.skinny_matmul(x, gate_up_weight, config, swiglu=True, ticket=column_tickets())
     assert out.shape == (rows, 100)
     assert_matmul_close(out, (x, gate_up_weight), Torch.linear_swiglu)
+    assert not column_tickets().any()
     assert_matmul_close(Triton.linear_swiglu(x, gate_up_weight), (x, gate_up_weight), Torch.linear_swiglu)  # either form
-    with pytest.raises(ValueError, match="whole sums"):
-        matmul.skinny_matmul(x, gate_up_weight, config._replace(split_k=2), swiglu=True)
+    with pytest.raises(ValueError, match="returns the activation"):
+        matmul.skinny_matmul(x, gate_up_weight, config, swiglu=True, partials=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -217,13 +234,19 @@ def test_dependent_launches_see_their_inputs(monkeypatch):
     weights = [(randn(2 * hidden_width, width, dtype=torch.bfloat16) / 32, randn(width, hidden_width, dtype=torch.bfloat16) / 64,
                 randn(width, dtype=torch.bfloat16)) for _ in range(blocks)]
     hidden = randn(2, width, dtype=torch.bfloat16)
-    ticket = Triton.ticket(hidden.device)
+    ticket = column_tickets()
 
     def mlp_blocks():
+        """Blocks alternate between the split-K sums in the matmul's own launch (SwiGLU, and y then the add-and-norm
+        kernel) and in the next kernel's or the last program's (SwiGLU's kernel, the add-and-norm epilogue)."""
         h, x = hidden, rms_norm(hidden, weights[0][2], 1e-6)
-        for gate_up, down, norm_weight in weights:
-            activation = matmul.silu_mul(matmul.skinny_matmul(x, gate_up))
-            h, x = matmul.skinny_matmul(activation, down, add_rms_norm=(h, norm_weight, 1e-6), ticket=ticket)
+        for block, (gate_up, down, norm_weight) in enumerate(weights):
+            if block % 2:
+                activation = matmul.silu_mul(matmul.skinny_matmul(x, gate_up, partials=True), x.dtype)
+                h, x = matmul.skinny_matmul(activation, down, add_rms_norm=(h, norm_weight, 1e-6), ticket=ticket)
+            else:
+                activation = matmul.skinny_matmul(x, gate_up, swiglu=True, ticket=ticket)
+                h, x = add_rms_norm(h, matmul.skinny_matmul(activation, down, ticket=ticket), norm_weight, 1e-6)
         return h, x
 
     def launching_with_pdl(pdl):  # `launch` asks `pdl_capable` at every launch

@@ -68,7 +68,11 @@ def measure(variant: str, batches, context, preset="2b") -> dict:
         prompt = text_prompt(model.config, batch, context, torch.device("cuda"), generator)
         slope = decode_slope(model, prompt)[0]
         rows, attributed = kernel_rows(model, prompt)
-        result[f"batch{batch}"] = {"ms_per_step": slope, "attributed_ms_per_step": attributed, "kernels": rows}
+        tuner = model.graph_engine().tuner  # which form each op took at this batch (0: cuBLAS / separate kernels)
+        choices = {f"{op} {shape}": tuner.choices[key] for key in tuner.choices for op, shape, _ in [key]
+                   if shape.startswith(f"{batch}x")}
+        result[f"batch{batch}"] = {"ms_per_step": slope, "attributed_ms_per_step": attributed, "kernels": rows,
+                                   "measured_choices": choices}
         print(variant, batch, f"{slope:.3f} ms/step", flush=True)
         for row in rows[:14]:
             print(f"  {row['attributed_us_per_step']:8.1f} us/step  {row['per_step']:5.1f}x  "
