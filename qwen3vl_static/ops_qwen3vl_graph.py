@@ -128,7 +128,7 @@ class TritonOps(TorchOps):
     """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output. The measured
     choices are `tuner`'s; the counters of finished programs that some kernels use (`ticket`) are this set's."""
 
-    TICKETS = 4096  # counters per device (a split projection takes one per column tile)
+    TICKETS = 1 << 16  # counters per device (a split projection takes one per column tile: 8B gate/up 6,144)
 
     def __init__(self, tuner: KernelTuner):
         super().__init__(tuner)

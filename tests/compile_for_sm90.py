@@ -58,7 +58,7 @@ def main():
     matmul.launch = compile_launch
     n, k, heads, kv_heads, head_dim = 1024, 1024, 4, 2, 128
     fp8, bf16 = random_fp8(n, k), torch.randn(n, k, dtype=torch.bfloat16)
-    ticket = torch.zeros(4096, dtype=torch.int32)  # as TritonOps.TICKETS
+    ticket = torch.zeros(1 << 16, dtype=torch.int32)  # as TritonOps.TICKETS
     rule = matmul.skinny_config(n, k, 132)
     qkv = random_fp8((heads + 2 * kv_heads) * head_dim, k)
     norms = torch.ones(head_dim, dtype=torch.bfloat16), torch.ones(head_dim, dtype=torch.bfloat16), 1e-6
