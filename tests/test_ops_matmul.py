@@ -18,6 +18,7 @@ from ops_checks import (
 )
 
 from qwen3vl_static import ops_matmul_qwen3vl_graph as matmul
+from qwen3vl_static.fp8_qwen3vl_graph import Fp8Weight
 from qwen3vl_static import triton_qwen3vl_graph
 from qwen3vl_static.ops_norm_qwen3vl_graph import (
     add_rms_norm,
@@ -25,6 +26,7 @@ from qwen3vl_static.ops_norm_qwen3vl_graph import (
     rms_norm_reference,
 )
 from qwen3vl_static.ops_rotary_qwen3vl_graph import qk_norm_rope_write
+from qwen3vl_static.presets import MODELS, real_config
 from qwen3vl_static.triton_qwen3vl_graph import pdl_capable
 
 pytestmark = needs_triton
@@ -110,6 +112,22 @@ def test_a_split_k_needs_its_counters():
     for ticket in (None, column_tickets()[:3]):  # 4 column tiles
         with pytest.raises(ValueError, match="4 counters"):
             matmul.skinny_matmul(x, weight, SKINNY_CONFIGS["split-k"], ticket=ticket)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_counters_cover_every_offered_tiling(model, monkeypatch):
+    """Every tiling the tuner offers a decode projection of the real models (16-bit or FP8, 1 to 64 rows) has at most
+    as many column tiles as the op set has counters, so none raises once the engine measures it."""
+    monkeypatch.setattr(matmul, "sm_count", lambda device: 132)
+    text = real_config(model).text_config
+    hidden, inter, head_dim = text.hidden_size, text.intermediate_size, text.head_dim
+    qkv = (text.num_attention_heads + 2 * text.num_key_value_heads) * head_dim
+    for n, k in ((qkv, hidden), (hidden, text.num_attention_heads * head_dim), (2 * inter, hidden), (hidden, inter)):
+        data = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta")
+        for weight in (data.to(torch.bfloat16), Fp8Weight(data, torch.empty(n // 128, k // 128, device="meta"), 128)):
+            for rows in (1, 8, matmul.SKINNY_ROWS):
+                for config in matmul.stage_configs(matmul.rule_config(weight), weight, rows=rows):
+                    assert -(-n // config.block_n) <= Triton.TICKETS
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
