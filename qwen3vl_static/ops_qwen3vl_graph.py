@@ -167,17 +167,19 @@ class TritonOps(TorchOps):
         or FMA form, at their measured tilings; cuBLAS has no FP8-weight x 16-bit-activation product), measured
         against `fp8_matmul` past DOT_ROWS rows; else `fp8_matmul`."""
         rows = x.shape[0]
+
+        def tiled(config):
+            return lambda: skinny_matmul(x, weight, config, ticket=self.column_tickets(x.device))
+
         if isinstance(weight, Fp8Weight):
             if bias is not None or not skinny(x, weight):
                 return fp8_matmul(x, weight, bias)
             dequantized = [lambda: fp8_matmul(x, weight)] if rows > DOT_ROWS else []
-            candidates = [*dequantized, *(lambda config=config: skinny_matmul(x, weight, config, ticket=self.column_tickets(x.device))
-                                          for config in stage_configs(rule_config(weight), weight, rows=rows))]
+            candidates = [*dequantized, *map(tiled, stage_configs(rule_config(weight), weight, rows=rows))]
             return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
         if bias is not None or not skinny(x, weight):
             return F.linear(x, weight, bias)
-        candidates = (lambda: F.linear(x, weight), *(lambda config=config: skinny_matmul(x, weight, config, ticket=self.column_tickets(x.device))
-                                                      for config in stage_configs(rule_config(weight), weight, rows=rows)))
+        candidates = (lambda: F.linear(x, weight), *map(tiled, stage_configs(rule_config(weight), weight, rows=rows)))
         return self.tuner.measured("linear", matmul_shape(x, weight), x.device, candidates)
 
     def linear_gelu_tanh(self, x, weight, bias):
