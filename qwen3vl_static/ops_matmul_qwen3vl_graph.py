@@ -124,6 +124,23 @@ if triton is not None:
         return _mma_inputs(_mma_rows(tile, BLOCK_N, 128), BLOCK_N).to(tl.float16)
 
     @triton.jit
+    def _x_float16_block(x, start, rows, k_len, stride_x, ROWS: tl.constexpr):
+        """x's inputs [start, start + 128) for a `tl.dot` with an FP8 tile (`_fp8_mma_tile`): in its input order, each
+        row scaled into float16 (`_float16_columns`); returns them and the scales that undo it."""
+        row_ids = tl.arange(0, ROWS)
+        ks = start + tl.arange(0, 128)
+        x_rows = tl.load(x + row_ids[:, None] * stride_x + ks[None, :],
+                         mask=(row_ids[:, None] < rows) & (ks[None, :] < k_len), other=0.0)
+        return _float16_columns(tl.trans(_mma_inputs(x_rows, ROWS)))
+
+    @triton.jit
+    def _block_scales(scale_rows, start, k_len, live_rows):
+        """The weight rows' scales of the scale block at input `start`. A block past K (the last range's tail) reads
+        the last block's scale, not past the row: its weights are masked to zero, which would not cancel a NaN read
+        there."""
+        return tl.load(scale_rows + tl.minimum(start, k_len - 1) // 128, mask=live_rows, other=0.0)
+
+    @triton.jit
     def _gemv_tile(x, weight, scale, rows, weight_rows, live_rows, k_len, k_start, k_split, stride_x, stride_w,
                    stride_s, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
                    FMA_ROWS: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
@@ -133,9 +150,9 @@ if triton is not None:
         (`_wait_then_release`) first, or (PRELOAD, the FMA form) after its weight loads: no kernel writes weights.
 
         SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). In
-        the `tl.dot` form a tile is one block column (BLOCK_K 128): its FP8 values, exact in float16, meet x's columns
-        scaled into float16 (`_float16_columns`) in a float16 `tl.dot`, and the float32 product is scaled per weight
-        row and x row. (FP8 to float16 takes one instruction per two values on an H200, to bfloat16 four.) The tile's
+        the `tl.dot` form a tile is one block column (BLOCK_K 128; with BLOCK_K 256 a program's range is two, both
+        loaded before either product): its FP8 values, exact in float16, meet x's columns scaled into float16
+        (`_float16_columns`) in a float16 `tl.dot`, and the float32 product is scaled per weight row and x row. (FP8 to float16 takes one instruction per two values on an H200, to bfloat16 four.) The tile's
         rows and inputs, and x's inputs, are reordered in registers (`_fp8_mma_tile`) so that it reaches the tensor
         cores as loaded: on an H200 8B gate/up at 8 rows took 37.4 µs against 40.4 through shared memory (the fastest
         tiling of each).
@@ -172,19 +189,27 @@ if triton is not None:
             mma_scale_rows = tl.reshape(_mma_rows(tl.reshape(weight_rows // SCALE_ROWS, (BLOCK_N, 1)), BLOCK_N, 1),
                                         (BLOCK_N,))
             mma_live_rows = tl.reshape(_mma_rows(tl.reshape(live_rows, (BLOCK_N, 1)), BLOCK_N, 1), (BLOCK_N,))
+            scale_rows = scale + mma_scale_rows * stride_s
             _wait_then_release(PDL)
-            # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay vectorized.
-            for start in range(k_start, k_start + k_split, BLOCK_K):
-                ks = start + tl.arange(0, BLOCK_K)
-                x_rows = tl.load(x + row_ids[:, None] * stride_x + ks[None, :],
-                                 mask=(row_ids[:, None] < rows) & (ks[None, :] < k_len), other=0.0)
-                x16, x_scale = _float16_columns(tl.trans(_mma_inputs(x_rows, ROWS)))
-                # A block past K (the last range's tail) reads the last block's scale, not past the row: its weights
-                # are masked to zero, which would not cancel a NaN read there.
-                s = tl.load(scale + mma_scale_rows * stride_s + tl.minimum(start, k_len - 1) // 128, mask=mma_live_rows,
-                            other=0.0)
-                w = _fp8_mma_tile(weight, weight_rows, live_rows, start, k_len, stride_w, BLOCK_N)
-                acc += tl.dot(w, x16) * (s[:, None] * x_scale[None, :])
+            if BLOCK_K == 2 * 128:
+                # The range's two scale blocks loaded before either product: both tiles in flight at once (on an H200
+                # at 8 rows the 2B QKV took 9.6 µs against 10.1 in one block a step, o_proj 9.1 against 9.4).
+                w0 = _fp8_mma_tile(weight, weight_rows, live_rows, k_start, k_len, stride_w, BLOCK_N)
+                w1 = _fp8_mma_tile(weight, weight_rows, live_rows, k_start + 128, k_len, stride_w, BLOCK_N)
+                s0 = _block_scales(scale_rows, k_start, k_len, mma_live_rows)
+                s1 = _block_scales(scale_rows, k_start + 128, k_len, mma_live_rows)
+                x16, x_scale = _x_float16_block(x, k_start, rows, k_len, stride_x, ROWS)
+                acc += tl.dot(w0, x16) * (s0[:, None] * x_scale[None, :])
+                x16, x_scale = _x_float16_block(x, k_start + 128, rows, k_len, stride_x, ROWS)
+                acc += tl.dot(w1, x16) * (s1[:, None] * x_scale[None, :])
+            else:
+                # Ranges start at multiples of BLOCK_K and the mask compares with K itself, so weight loads stay
+                # vectorized.
+                for start in range(k_start, k_start + k_split, BLOCK_K):
+                    x16, x_scale = _x_float16_block(x, start, rows, k_len, stride_x, ROWS)
+                    s = _block_scales(scale_rows, start, k_len, mma_live_rows)
+                    w = _fp8_mma_tile(weight, weight_rows, live_rows, start, k_len, stride_w, BLOCK_N)
+                    acc += tl.dot(w, x16) * (s[:, None] * x_scale[None, :])
             acc = _physical_rows(acc, BLOCK_N, ROWS)
         else:
             _wait_then_release(PDL)
@@ -369,9 +394,12 @@ def check_fp8_tiling(weight, config, k_split) -> None:
                          f"block_k {config.block_k} must be {k_split} and a multiple of {SCALE_COLS}")
     if config.preload and not config.fma:
         raise ValueError("an FP8 weight's tiles are preloaded in the FMA form only")
-    if not config.fma and config.block_k != SCALE_COLS:
-        raise ValueError(f"an FP8 weight's `tl.dot` tiles are its scale blocks' width: block_k {config.block_k} must be "
-                         f"{SCALE_COLS}")
+    if not config.fma and config.block_k == 2 * SCALE_COLS and k_split != config.block_k:
+        raise ValueError(f"an FP8 `tl.dot` tile of two scale blocks is a program's whole K range: block_k must be "
+                         f"{k_split}")
+    if not config.fma and config.block_k not in (SCALE_COLS, 2 * SCALE_COLS):
+        raise ValueError(f"an FP8 weight's `tl.dot` tiles are one scale block ({SCALE_COLS} inputs) or a program's "
+                         f"whole K range of two: block_k {config.block_k} is neither")
 
 
 def fma_configs(weight, rows) -> list:
@@ -395,11 +423,15 @@ def fp8_dot_configs(weight) -> list:
     stages the tile goes from registers to the tensor cores as loaded (`_fp8_mma_tile`; staged, it would pass through
     shared memory); a 128-row tile takes x (scaled, through shared memory) once per 128 weight rows instead of 64. At
     8 rows on an H200 128-row tiles were the fastest for gate/up and down_proj (2B and 8B; 8B gate/up 36.5 µs against
-    37.5) and the 8B QKV, 64-row tiles for o_proj and the 2B QKV (`fp8_gemv_probe.py`)."""
+    37.5) and the 8B QKV, 64-row tiles for o_proj and the 2B QKV (`fp8_gemv_probe.py`). Also ranges of 2 blocks
+    whose tiles both load before either product (`block_k` 256): at 8 rows on an H200 the 2B QKV (9.6 µs against
+    10.1) and o_proj (9.1 against 9.4) ran faster so, the 8B projections and every 1-row one slower."""
     k = weight.shape[1]
     splits = dict.fromkeys(triton.cdiv(k, blocks * SCALE_COLS) for blocks in (2, 4, 8))
-    return [SkinnyConfig(block_n, SCALE_COLS, split, num_warps=4, num_stages=1)
-            for split in splits for block_n in (64, 128)]
+    return ([SkinnyConfig(block_n, SCALE_COLS, split, num_warps=4, num_stages=1)
+             for split in splits for block_n in (64, 128)]
+            + [SkinnyConfig(block_n, 2 * SCALE_COLS, triton.cdiv(k, 2 * SCALE_COLS), num_warps=4, num_stages=1)
+               for block_n in (64, 128)])
 
 
 def padded_rows(rows) -> int:

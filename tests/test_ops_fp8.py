@@ -68,13 +68,16 @@ def test_fused_parts_keep_their_scales():
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, scale_rows", [(1, 128), (5, 32)])
-@pytest.mark.parametrize("form", ["one-pass", "split-k", "narrow-tiles", "fma", "fma-split-k", "fma-preloaded"])
+@pytest.mark.parametrize("form", ["one-pass", "split-k", "narrow-tiles", "two-blocks", "two-blocks-wide", "fma",
+                                  "fma-split-k", "fma-preloaded"])
 def test_skinny_matmul_on_fp8_tiles(dtype, rows, scale_rows, form):
     """K = 300: the last scale block is partial; N = 200: the last column tile is partial. The `tl.dot` form's tiles
-    of 64 and 128 rows are reordered for the tensor cores (`_mma_rows`), narrower ones not; the FMA form's tiles span
-    whole K ranges (one of 512, or 3 of 128), loaded before the PDL wait or after it."""
+    of 64 and 128 rows are reordered for the tensor cores (`_mma_rows`), narrower ones not; its ranges of two blocks
+    (the second past K in the last) load both before either product; the FMA form's tiles span whole K ranges (one of
+    512, or 3 of 128), loaded before the PDL wait or after it."""
     x, weight = randn(rows, 300, dtype=dtype), random_fp8(200, 300, scale_rows)
     block_n, block_k, split_k = {"one-pass": (64, 128, 1), "split-k": (128, 128, 2), "narrow-tiles": (32, 128, 2),
+                                 "two-blocks": (64, 256, 2), "two-blocks-wide": (128, 256, 2),
                                  "fma": (32, 512, 1), "fma-split-k": (32, 128, 3), "fma-preloaded": (16, 128, 3)}[form]
     config = matmul.SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2,
                                  preload=form == "fma-preloaded", fma=form.startswith("fma"))
@@ -85,11 +88,12 @@ def test_skinny_matmul_on_fp8_tiles(dtype, rows, scale_rows, form):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_n, split_k", [(32, 1), (64, 2)], ids=["one-pass", "split-k"])
-def test_skinny_matmul_on_fp8_tiles_of_many_rows(dtype, block_n, split_k):
+@pytest.mark.parametrize("block_n, block_k, split_k", [(32, 128, 1), (64, 128, 2), (128, 256, 2)],
+                         ids=["one-pass", "split-k", "two-blocks"])
+def test_skinny_matmul_on_fp8_tiles_of_many_rows(dtype, block_n, block_k, split_k):
     """40 rows (a `tl.dot` 64 rows wide, padding masked) in the `tl.dot` form (the FMA form takes a few rows only)."""
     x, weight = randn(40, 300, dtype=dtype), random_fp8(200, 300, 128)
-    config = matmul.SkinnyConfig(block_n=block_n, block_k=128, split_k=split_k, num_warps=4, num_stages=2)
+    config = matmul.SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2)
     with poisoned_empty():
         out = matmul.skinny_matmul(x, weight, config, ticket=column_tickets())
     assert_fp8_close(out, reference(x, weight))
@@ -115,9 +119,11 @@ def test_fp8_tiles_take_x_beyond_float16s_range():
 @needs_triton
 def test_fp8_tiles_stay_within_a_scale_block():
     x, weight = randn(1, 512, dtype=torch.float32), random_fp8(64, 512)
-    for block_k in (64, 256):
-        with pytest.raises(ValueError, match="scale blocks"):
+    for block_k in (64, 512):
+        with pytest.raises(ValueError, match="or a program's whole K range of two"):
             matmul.skinny_matmul(x, weight, matmul.SkinnyConfig(32, block_k, 1, num_warps=4, num_stages=2))
+    with pytest.raises(ValueError, match="whole K range"):  # two 256-input tiles per range of 512
+        matmul.skinny_matmul(x, weight, matmul.SkinnyConfig(64, 256, 1, num_warps=4, num_stages=1))
     assert matmul.preload_config(weight) is None
     with pytest.raises(ValueError, match="FMA form only"):
         matmul.skinny_matmul(x, weight, matmul.SkinnyConfig(32, 128, 4, 4, 1, preload=True))
@@ -146,7 +152,8 @@ def test_fp8_epilogues(dtype):
     x = randn(rows, 256, dtype=dtype)
     gate_up = random_fp8(2 * 96, 256, scale_rows=32)
     config = matmul.SkinnyConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=2)
-    for form in (config, config._replace(split_k=2), config._replace(block_k=256, fma=True)):
+    for form in (config, config._replace(split_k=2), config._replace(block_k=256, fma=True),
+                 config._replace(block_k=256, num_stages=1)):
         with poisoned_empty():
             out = matmul.skinny_matmul(x, gate_up, form, swiglu=True, ticket=column_tickets())
         (assert_close_at_scale if form.fma else assert_fp8_close)(out, matmul.silu_mul_reference(reference(x, gate_up)))
@@ -161,9 +168,9 @@ def test_fp8_epilogues(dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
-@pytest.mark.parametrize("fma, preload", [(False, False), (True, False), (True, True)],
-                         ids=["tl.dot", "fma", "fma-preloaded"])
-def test_fp8_qkv_norm_rope_write(dtype, form, fma, preload):
+@pytest.mark.parametrize("fma, preload, blocks", [(False, False, 1), (False, False, 2), (True, False, 1), (True, True, 1)],
+                         ids=["tl.dot", "tl.dot-two-blocks", "fma", "fma-preloaded"])
+def test_fp8_qkv_norm_rope_write(dtype, form, fma, preload, blocks):
     rows, heads, kv_heads, dim, hidden, slots = 2, 4, 2, 64, 256, 8
     x, qkv = randn(rows, hidden, dtype=dtype), random_fp8((heads + 2 * kv_heads) * dim, hidden, scale_rows=64)
     qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
@@ -174,8 +181,8 @@ def test_fp8_qkv_norm_rope_write(dtype, form, fma, preload):
     k_ref, v_ref = keys.float(), values.float()
     q_ref = Torch.qk_norm_rope_write(reference(x, qkv), heads, *(w.float() for w in qk_norms[:2]), qk_norms[2],
                                      Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_rows, cache_slots)
-    config = matmul.SkinnyConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=2, preload=preload,
-                                 fma=fma)  # 2 x 128
+    config = matmul.SkinnyConfig(block_n=64, block_k=128 * blocks, split_k=2 // blocks, num_warps=4, num_stages=2,
+                                 preload=preload, fma=fma)  # K = 2 x 128
     with poisoned_empty():
         if form == "fused":
             q = matmul.fused_qkv(x, qkv, heads, qk_norms, Triton.rotary(cos, sin), keys, values, cache_rows, cache_slots,
