@@ -152,10 +152,10 @@ if triton is not None:
         SCALE_ROWS > 0: `weight` is FP8 with one float32 `scale` per SCALE_ROWS rows x 128 inputs (`Fp8Weight`). In
         the `tl.dot` form a tile is one block column (BLOCK_K 128; with BLOCK_K 256 a program's range is two, both
         loaded before either product): its FP8 values, exact in float16, meet x's columns scaled into float16
-        (`_float16_columns`) in a float16 `tl.dot`, and the float32 product is scaled per weight row and x row. (FP8 to float16 takes one instruction per two values on an H200, to bfloat16 four.) The tile's
-        rows and inputs, and x's inputs, are reordered in registers (`_fp8_mma_tile`) so that it reaches the tensor
-        cores as loaded: on an H200 8B gate/up at 8 rows took 37.4 µs against 40.4 through shared memory (the fastest
-        tiling of each).
+        (`_float16_columns`) in a float16 `tl.dot`, and the float32 product is scaled per weight row and x row. (FP8
+        to float16 takes one instruction per two values on an H200, to bfloat16 four.) The tile's rows and inputs,
+        and x's inputs, are reordered in registers (`_fp8_mma_tile`) so that it reaches the tensor cores as loaded: on
+        an H200 8B gate/up at 8 rows took 37.4 µs against 40.4 through shared memory (the fastest tiling of each).
         FMA_ROWS > 0 (at least `rows`): the whole range is one tile of whole scale blocks, all its loads in flight at
         once; its FP8 values (exact in float32) are multiplied and added with each row of x on the CUDA cores, each
         block's sums scaled. PRELOAD loads the tile before the wait: alone on an H200 at 1 row 0.3-1.2 µs faster per
@@ -192,8 +192,8 @@ if triton is not None:
             scale_rows = scale + mma_scale_rows * stride_s
             _wait_then_release(PDL)
             if BLOCK_K == 2 * 128:
-                # The range's two scale blocks loaded before either product: both tiles in flight at once (on an H200
-                # at 8 rows the 2B QKV took 9.6 µs against 10.1 in one block a step, o_proj 9.1 against 9.4).
+                # The range's two scale blocks loaded before either product, both tiles in flight at once. Named, not
+                # looped: ptxas does not move a later block's loads above an earlier block's `tl.dot`.
                 w0 = _fp8_mma_tile(weight, weight_rows, live_rows, k_start, k_len, stride_w, BLOCK_N)
                 w1 = _fp8_mma_tile(weight, weight_rows, live_rows, k_start + 128, k_len, stride_w, BLOCK_N)
                 s0 = _block_scales(scale_rows, k_start, k_len, mma_live_rows)

@@ -168,7 +168,8 @@ def test_fp8_epilogues(dtype):
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
-@pytest.mark.parametrize("fma, preload, blocks", [(False, False, 1), (False, False, 2), (True, False, 1), (True, True, 1)],
+@pytest.mark.parametrize("fma, preload, blocks",
+                         [(False, False, 1), (False, False, 2), (True, False, 1), (True, True, 1)],
                          ids=["tl.dot", "tl.dot-two-blocks", "fma", "fma-preloaded"])
 def test_fp8_qkv_norm_rope_write(dtype, form, fma, preload, blocks):
     rows, heads, kv_heads, dim, hidden, slots = 2, 4, 2, 64, 256, 8
