@@ -133,8 +133,7 @@ def forms(x, weight, rule):
                         lambda call=w8a8, k_split=k_split: partial_products(call, rows, n, splits_of(k_split), x.device))
     configs = {"package dot rule": rule._replace(num_stages=4)}
     for config in matmul.fp8_dot_configs(weight):
-        preloaded = " preloaded" if config.preload else ""
-        configs[f"package dot n{config.block_n} k{config.block_k} split{config.split_k}{preloaded}"] = config
+        configs[f"package dot n{config.block_n} k{config.block_k} split{config.split_k}"] = config
     for config in matmul.fma_configs(weight, rows):
         preloaded = " preloaded" if config.preload else ""
         configs[f"package fma n{config.block_n} k{config.block_k} w{config.num_warps}{preloaded}"] = config
