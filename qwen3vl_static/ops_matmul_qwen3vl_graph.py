@@ -25,6 +25,7 @@ from .triton_qwen3vl_graph import (
 
 DOT_ROWS = 16  # the fewest rows of x a `tl.dot` takes: fewer are padded to it
 SKINNY_ROWS = 64  # the most rows the skinny matmul takes (whether it runs instead of cuBLAS is measured per shape)
+FMA_MAX_ROWS = 4  # the most rows the FMA form of an FP8 projection is measured at (`fp8_configs`)
 
 # The skinny matmul's tiling: `block_n` output columns x `block_k` inputs per step, K cut into `split_k` ranges.
 # `preload`: each program's whole K range is one tile (`block_k` inputs), loaded before the PDL wait. `fma`: each
@@ -406,14 +407,24 @@ def fma_configs(weight, rows) -> list:
     """The FMA form's tilings an FP8 projection of `rows` rows is measured at, K cut into ranges of the tile's width:
     16 columns x 512 inputs, 8 x 1024 and 4 x 2048 on 4 warps, each loaded after the PDL wait and before it
     (`preload`). On an H200 at 1 row one of these was the fastest, or within 0.2 µs of it, at every 2B and 8B shape
-    (`fp8_gemv_probe.py`; 16 x 256 and 16 x 1024 on 8 warps never gained more). None above DOT_ROWS rows: the form
-    unrolls its loop over them."""
-    if rows > DOT_ROWS:
+    (`fp8_gemv_probe.py`; 16 x 256 and 16 x 1024 on 8 warps never gained more). None above FMA_MAX_ROWS rows
+    (`fp8_configs`)."""
+    if rows > FMA_MAX_ROWS:
         return []
     return [SkinnyConfig(block_n, width, triton.cdiv(weight.shape[1], width), num_warps=4, num_stages=1,
                          preload=preload, fma=True)
             for block_n, width in ((16, 512), (8, 1024), (4, 2048)) if width <= triton.next_power_of_2(weight.shape[1])
             for preload in (False, True)]
+
+
+def fp8_configs(weight, rows) -> list:
+    """The FP8 tilings a projection of `rows` rows is measured at besides the rule's: `fp8_dot_configs` from 2 rows,
+    `fma_configs` up to FMA_MAX_ROWS. In the benchmark's warmup on an H200 (2B and 8B) every 1-row projection ran 16% or
+    more slower at those `tl.dot` tilings than at the fastest FMA one, and from 8 rows the FMA form ran 23% or more
+    slower than the fastest; at 4 rows each form won some (2B o_proj: the FMA form). Offering each only where it can
+    win leaves a quarter fewer kernels to compile (the FMA form compiles once per row count: it unrolls its loop over
+    the rows)."""
+    return (fp8_dot_configs(weight) if rows > 1 else []) + fma_configs(weight, rows)
 
 
 def fp8_dot_configs(weight) -> list:
@@ -467,10 +478,10 @@ def rule_config(weight) -> SkinnyConfig:
 
 def stage_configs(rule, weight=None, rows=1) -> tuple:
     """A skinny matmul tiling with a 4- and a 6-stage pipeline: the tilings a projection of `rows` rows is measured at
-    (for an `Fp8Weight`, `fp8_dot_configs` and the FMA form's too)."""
+    (for an `Fp8Weight`, `fp8_configs` too)."""
     stages = rule._replace(num_stages=4), rule._replace(num_stages=6)
     if isinstance(weight, Fp8Weight):
-        return stages + tuple(fp8_dot_configs(weight) + fma_configs(weight, rows))
+        return stages + tuple(fp8_configs(weight, rows))
     return stages
 
 
@@ -491,11 +502,11 @@ def preload_config(weight, rows=1, block_n=64, tile_bytes=64 * 1024):
 
 def split_configs(weight, rows=1) -> list:
     """The skinny matmul's rule for `weight` on its device, and the same with half the K split: the tilings a
-    fused epilogue of `rows` rows is measured at (for an `Fp8Weight`, `fp8_dot_configs` and the FMA form's too)."""
+    fused epilogue of `rows` rows is measured at (for an `Fp8Weight`, `fp8_configs` too)."""
     rule = rule_config(weight)
     configs = list(dict.fromkeys([rule, rule._replace(split_k=max(1, rule.split_k // 2))]))
     if isinstance(weight, Fp8Weight):
-        return configs + fp8_dot_configs(weight) + fma_configs(weight, rows)
+        return configs + fp8_configs(weight, rows)
     return configs
 
 

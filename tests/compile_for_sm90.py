@@ -62,7 +62,7 @@ def main():
     rule = matmul.skinny_config(n, k, 132)
     qkv = random_fp8((heads + 2 * kv_heads) * head_dim, k)
     norms = torch.ones(head_dim, dtype=torch.bfloat16), torch.ones(head_dim, dtype=torch.bfloat16), 1e-6
-    for rows in (1, 8, 40):
+    for rows in (1, matmul.FMA_MAX_ROWS, 40):
         x, hidden = torch.randn(rows, k, dtype=torch.bfloat16), torch.randn(rows, n, dtype=torch.bfloat16)
         # The FP8 forms at their measured tilings, and unsplit.
         fp8_configs = [*matmul.fp8_dot_configs(fp8), *matmul.fma_configs(fp8, rows)[:2], rule,

@@ -132,7 +132,19 @@ def test_fp8_tiles_stay_within_a_scale_block():
     with pytest.raises(ValueError, match="whole K range"):  # two 256-input tiles per range
         matmul.skinny_matmul(x, weight, matmul.SkinnyConfig(32, 256, 1, 4, 2, fma=True))
     assert all(config.fma and config.block_k * config.split_k >= 512 for config in matmul.fma_configs(weight, 1))
-    assert matmul.fma_configs(weight, matmul.DOT_ROWS + 1) == []  # the FMA form unrolls its loop over the rows
+    assert matmul.fma_configs(weight, matmul.FMA_MAX_ROWS + 1) == []
+
+
+def test_fp8_tilings_offered_by_rows():
+    """The tuner measures the `tl.dot` tilings from 2 rows and the FMA form's up to FMA_MAX_ROWS."""
+    weight = random_fp8(256, 1024)
+    for rows, dot, fma in ((1, False, True), (2, True, True), (matmul.FMA_MAX_ROWS, True, True),
+                           (matmul.FMA_MAX_ROWS + 1, True, False), (matmul.DOT_ROWS, True, False)):
+        configs = matmul.fp8_configs(weight, rows)
+        assert any(config.fma for config in configs) == fma
+        assert any(not config.fma for config in configs) == dot
+        assert list(matmul.split_configs(weight, rows)[-len(configs):]) == configs
+        assert list(matmul.stage_configs(matmul.rule_config(weight), weight, rows)[-len(configs):]) == configs
 
 
 @needs_triton
