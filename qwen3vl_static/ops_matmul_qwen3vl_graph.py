@@ -422,8 +422,8 @@ def fp8_configs(weight, rows) -> list:
     `fma_configs` up to FMA_MAX_ROWS. In the benchmark's warmup on an H200 (2B and 8B) every 1-row projection ran 16% or
     more slower at those `tl.dot` tilings than at the fastest FMA one, and from 8 rows the FMA form ran 23% or more
     slower than the fastest; at 4 rows each form won some (2B o_proj: the FMA form). Offering each only where it can
-    win leaves a quarter fewer kernels to compile (the FMA form compiles once per row count: it unrolls its loop over
-    the rows)."""
+    win leaves a quarter fewer kernels to compile (the FMA form compiles once per power of two of rows: it unrolls its
+    loop over them)."""
     return (fp8_dot_configs(weight) if rows > 1 else []) + fma_configs(weight, rows)
 
 
