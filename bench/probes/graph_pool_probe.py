@@ -1,0 +1,79 @@
+"""Where does the graph pool's memory go, bf16 against FP8? (H200 probe; JSON to $OUT.)
+
+The benchmark used to report the memory reserved during `warmup()` as the graph pool: for the 2B 0.27 GB in bf16,
+3.3 GB with FP8 weights (51 graphs). For each variant, on a fresh model, this reserves memory phase by phase (the
+engine's build: the KV cache, the fused QKV and gate/up weights; one decode graph and a 16-token prefill graph; one
+2,048-token prefill graph; then the 2B benchmark's warmup at batch 1, 4 and 8), and after each phase reports the GiB
+reserved in the default pool and in the graphs' private pool (the benchmark's `graph_pool_gib`:
+`torch.cuda.memory_snapshot()` segments by pool) and the GiB allocated.
+
+Run: python bench/probes/graph_pool_probe.py [--model 2b|8b] (writes $OUT/graph_pool_probe-<model>.json, or under
+bench/results/).
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit("graph_pool_probe.py needs a CUDA device.")
+
+from qwen3vl_static.bench import graph_pool_gib
+from qwen3vl_static.fp8_quantize import quantize_fp8
+from qwen3vl_static.workloads import build_ours, generate_exactly_as_asked
+
+GIB = 2**30
+
+
+def memory() -> dict:
+    """GiB reserved in the default pool and in the graphs' private pool, and GiB allocated, after emptying the cache."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    graph_pool = graph_pool_gib()
+    return {"default_pool_gib": torch.cuda.memory_reserved() / GIB - graph_pool, "graph_pool_gib": graph_pool,
+            "allocated_gib": torch.cuda.memory_allocated() / GIB}
+
+
+def phases(model_name: str, fp8: bool) -> dict:
+    model = build_ours(torch.device("cuda"), torch.bfloat16, model_name)
+    if fp8:
+        quantize_fp8(model)
+    generate_exactly_as_asked(model)
+    rows = {"model": memory()}
+    model.graph_engine()
+    rows["engine"] = memory()
+    model.warmup(batch_sizes=[1], cache_lengths=[1024], modes=("greedy",), prompt_lengths=[16])
+    rows["decode_and_prefill_16"] = memory()
+    model.warmup(batch_sizes=[1], cache_lengths=[1024], modes=("greedy",), prompt_lengths=[2048])
+    rows["prefill_2048"] = memory()
+    model.warmup(batch_sizes=[1, 4, 8], cache_lengths=[592, 356], modes=("greedy",))
+    rows["bench_warmup"] = memory()
+    rows["graphs"] = {name: len(runner.graphs) for name, runner in zip(("decode", "prefill", "vision"),
+                                                                        model.graph_engine().runners)}
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("2b", "4b", "8b"), default="2b")
+    model = parser.parse_args().model
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": model,
+              "command": " ".join(["python", *sys.argv]), "bf16": phases(model, fp8=False),
+              "fp8": phases(model, fp8=True)}
+    print(json.dumps(result, indent=1))
+    out = Path(os.environ.get("OUT", "bench/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"graph_pool_probe-{model}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
