@@ -178,10 +178,11 @@ def ttft_breakdown(ours, stock, prompts) -> list:
     return rows
 
 
-def graph_pool_gib() -> float:
-    """GiB reserved in private memory pools: the CUDA graphs' (outside them, only the default pool is used)."""
+def graph_pool_gib(pool) -> float:
+    """GiB reserved in the CUDA graph memory pool `pool` (a model's `graph_engine().capturer.pool`; None before its
+    first capture: 0)."""
     return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-               if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)) / 2**30
+               if pool is not None and tuple(segment["segment_pool_id"]) == tuple(pool)) / 2**30
 
 
 def measure_ours(system, model, args, prompts, image):
@@ -192,7 +193,7 @@ def measure_ours(system, model, args, prompts, image):
     model.warmup(batch_sizes=args.batch_sizes, cache_lengths=[args.context + LONG, image["input_ids"].shape[1] + 128],
                  modes=("greedy",))
     warmup_s = time.perf_counter() - began
-    graph_pool_gb = graph_pool_gib()
+    graph_pool_gb = graph_pool_gib(model.graph_engine().capturer.pool)
     rows = measure(system, model, prompts, image)
     for row in rows:
         row.update(warmup_s=warmup_s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30,

@@ -4,8 +4,8 @@ The benchmark used to report the memory reserved during `warmup()` as the graph 
 3.3 GB with FP8 weights (51 graphs). For each variant, on a fresh model, this reserves memory phase by phase (the
 engine's build: the KV cache, the fused QKV and gate/up weights; one decode graph and a 16-token prefill graph; one
 2,048-token prefill graph; then the 2B benchmark's warmup at batch 1, 4 and 8), and after each phase reports the GiB
-reserved in the default pool and in the graphs' private pool (the benchmark's `graph_pool_gib`:
-`torch.cuda.memory_snapshot()` segments by pool) and the GiB allocated.
+reserved in all and in the model's graph pool (the benchmark's `graph_pool_gib`: the `torch.cuda.memory_snapshot()`
+segments of that pool) and the GiB allocated.
 
 Run: python bench/probes/graph_pool_probe.py [--model 2b|8b] (writes $OUT/graph_pool_probe-<model>.json, or under
 bench/results/).
@@ -30,13 +30,13 @@ from qwen3vl_static.workloads import build_ours, generate_exactly_as_asked
 GIB = 2**30
 
 
-def memory() -> dict:
-    """GiB reserved in the default pool and in the graphs' private pool, and GiB allocated, after emptying the cache."""
+def memory(model=None) -> dict:
+    """GiB reserved in all, in `model`'s graph pool (none: 0), and allocated, after emptying the cache."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    graph_pool = graph_pool_gib()
-    return {"default_pool_gib": torch.cuda.memory_reserved() / GIB - graph_pool, "graph_pool_gib": graph_pool,
+    pool = None if model is None else model.graph_engine().capturer.pool
+    return {"reserved_gib": torch.cuda.memory_reserved() / GIB, "graph_pool_gib": graph_pool_gib(pool),
             "allocated_gib": torch.cuda.memory_allocated() / GIB}
 
 
@@ -45,15 +45,15 @@ def phases(model_name: str, fp8: bool) -> dict:
     if fp8:
         quantize_fp8(model)
     generate_exactly_as_asked(model)
-    rows = {"model": memory()}
+    rows = {"model": memory()}  # before the engine exists
     model.graph_engine()
-    rows["engine"] = memory()
+    rows["engine"] = memory(model)
     model.warmup(batch_sizes=[1], cache_lengths=[1024], modes=("greedy",), prompt_lengths=[16])
-    rows["decode_and_prefill_16"] = memory()
+    rows["decode_and_prefill_16"] = memory(model)
     model.warmup(batch_sizes=[1], cache_lengths=[1024], modes=("greedy",), prompt_lengths=[2048])
-    rows["prefill_2048"] = memory()
+    rows["prefill_2048"] = memory(model)
     model.warmup(batch_sizes=[1, 4, 8], cache_lengths=[592, 356], modes=("greedy",))
-    rows["bench_warmup"] = memory()
+    rows["bench_warmup"] = memory(model)
     rows["graphs"] = {name: len(runner.graphs) for name, runner in zip(("decode", "prefill", "vision"),
                                                                         model.graph_engine().runners)}
     del model
