@@ -1,4 +1,4 @@
-"""Does flash-decoding read the KV cache faster at other launch settings? (H200 probe; JSON to $OUT.)
+"""Does flash-decoding read the KV cache faster at other launch settings? (H200; JSON to $OUT.)
 
 The decode attention kernels alone (2B heads) on the shapes where the step spends most in attention (batch 64 at 336
 of 512 slots: about a third of its 2.77 ms step; long contexts), at the shipped settings (`split_tiles`' tiles of
@@ -11,17 +11,11 @@ Run: python bench/probes/attention_launch_probe.py [--shapes ...]
 
 import argparse
 import itertools
-import json
-import os
-import sys
-from pathlib import Path
 
 import torch
 import triton
 
-if not torch.cuda.is_available():
-    sys.exit("attention_launch_probe.py needs a CUDA device.")
-
+import harness
 from qwen3vl_static.ops_attention_qwen3vl_graph import (
     CHUNK,
     MERGE_BLOCK,
@@ -37,19 +31,17 @@ HEADS, KV_HEADS, DIM = 16, 8, 128
 SHAPES = [(64, 512, 336), (32, 1024, 700), (8, 4096, 4080), (1, 8192, 7880)]
 
 
-def attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, chunk, tiles, num_warps, num_stages,
-              kernel=_decode_attention_kernel, **constexprs):
-    """`decode_attention` at these launch settings (the same two kernels; or `kernel`, a form of the splits kernel
-    taking the same arguments and these `constexprs`, before the same merge)."""
+def attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, chunk, tiles, num_warps, num_stages):
+    """`decode_attention` at these launch settings (the same two kernels)."""
     rows, group = q.shape[0], HEADS // KV_HEADS
     splits = triton.cdiv(kv_len, chunk * tiles)
     part_out = torch.empty(rows * HEADS * splits, DIM, dtype=torch.float32, device=q.device)
     part_max = torch.empty(rows * HEADS * splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
-    launch(kernel, (rows, KV_HEADS, splits), q, keys, values, cache_lens, attendable, cache_rows,
+    launch(_decode_attention_kernel, (rows, KV_HEADS, splits), q, keys, values, cache_lens, attendable, cache_rows,
            part_out, part_max, part_sum, DIM**-0.5, keys.stride(0), keys.stride(1), keys.stride(2),
            attendable.stride(0), splits, CHUNK=chunk, TILES=tiles, GROUP=group, GROUP_PAD=16, KV_HEADS=KV_HEADS,
-           HEAD_DIM=DIM, num_warps=num_warps, num_stages=num_stages, **constexprs)
+           HEAD_DIM=DIM, num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(rows, HEADS * DIM, dtype=q.dtype, device=q.device)
     launch(_merge_kernel, (rows * HEADS,), part_out, part_max, part_sum, out, splits, GROUP=group, HEAD_DIM=DIM,
            MERGE_BLOCK=MERGE_BLOCK)
@@ -81,6 +73,7 @@ def measure(rows, kv_len, length, generator) -> dict:
 
 
 def main() -> None:
+    harness.require_cuda()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", metavar="ROWS:KV_LEN:LENGTH",
                         default=[":".join(map(str, shape)) for shape in SHAPES])
@@ -94,13 +87,7 @@ def main() -> None:
         best = min(times, key=times.get)
         print(f"{shape}: shipped {times['shipped']:.1f} us, best {best} {times[best]:.1f} us, "
               f"max diff {row['max_abs_diff_vs_shipped'][best]:.2e}", flush=True)
-    out = Path(os.environ.get("OUT", "bench/results")) / "attention-launch-probe.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "command": "python bench/probes/attention_launch_probe.py " + " ".join(sys.argv[1:]),
-                               "rows": rows_out},
-                              indent=1))
-    print(f"wrote {out}")
+    harness.write_json({"rows": rows_out})
 
 
 if __name__ == "__main__":

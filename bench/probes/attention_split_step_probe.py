@@ -1,4 +1,4 @@
-"""How should flash-decoding split the cache, measured in the whole decode step? (H200 probe; JSON to $OUT.)
+"""How should flash-decoding split the cache, measured in the whole decode step? (H200; JSON to $OUT.)
 
 `split_tiles` gives each program the fewest tiles (a power of two) that keep a row within MAX_SPLITS_PER_ROW splits
 and the launch within ONE_TILE_PROGRAMS programs of one tile or MAX_PROGRAMS of more. Alone, one-tile programs at
@@ -6,28 +6,16 @@ batch 8 of a 1024-slot bucket were faster with one pipeline stage, or with two t
 (`attention_launch_probe.py`); the step overlaps kernels, so this times the rule's variants where they change the
 launch, each in a bf16 model built for the shape (decode ms/step as the benchmark's slope): every launch capped at
 2048, 1024, 512 or 256 programs (2048: the rule before ONE_TILE_PROGRAMS), and one-tile programs launched with one
-stage instead of Triton's default three. The shipped rule runs first and again last (run-to-run spread).
+stage instead of Triton's default three. The shipped rule runs first and again last (run-to-run spread). Each variant
+patches the module's names before its model is built and captured.
 Run: python bench/probes/attention_split_step_probe.py
 """
 
-import importlib.util
-import json
-import os
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 
-import torch
-
-if not torch.cuda.is_available():
-    sys.exit("attention_split_step_probe.py needs a CUDA device.")
-
+import harness
 from qwen3vl_static import ops_attention_qwen3vl_graph as attention
 from qwen3vl_static.bench import LONG
-
-spec = importlib.util.spec_from_file_location("attention_step_probe", Path(__file__).with_name("attention_step_probe.py"))
-step_probe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step_probe)  # its `decode_ms`
 
 SHAPES = [(1, 512), (4, 512), (8, 512), (16, 512), (64, 256), (8, 4000)]  # (batch, prompt tokens)
 KV_HEADS = 8
@@ -59,6 +47,7 @@ def kv_bucket(context) -> int:
 
 
 def main() -> None:
+    harness.require_cuda()
     rows = []
     for batch, context in SHAPES:
         kv_len = kv_bucket(context)
@@ -79,16 +68,12 @@ def main() -> None:
         for name, cap, one_stage in variants:
             with rule(cap, one_stage):
                 row["tiles"][name] = attention.split_tiles(batch, KV_HEADS, kv_len)
-                row["ms_per_step"][name] = step_probe.decode_ms(batch, context, max_batch_size=max(8, batch),
-                                                                   static_cache_len=8192 if context > 1024 else 1024)
+                row["ms_per_step"][name] = harness.decode_ms(batch, context, max_batch_size=max(8, batch),
+                                                             static_cache_len=8192 if context > 1024 else 1024)
             print(f"batch {batch} at {context} ({kv_len} slots): {name} (tiles {row['tiles'][name]}) "
                   f"{row['ms_per_step'][name]:.3f} ms/step", flush=True)
         rows.append(row)
-    out = Path(os.environ.get("OUT", "bench/results")) / "attention-split-step-probe.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "command": "python bench/probes/attention_split_step_probe.py", "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    harness.write_json({"rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,22 +1,20 @@
-"""Where continuous batching's time goes (H200): the `bench --batching` rows, then one more continuous run of each
-workload with its stages timed, synchronized, after the same warmup: admissions (`_admit`: `generate` calls through
-vision and prefill into free rows) and decode chunks (issue to collect), with their counts and the mean rows stepped
-per chunk; within the admissions, the GPU time of the prefills (CUDA events around `PrefillRunner.run`) and the
-tokens they computed (bucket rows x tokens, padding included), to tell the prefills' compute from the rest.
+"""Where continuous batching's time goes (H200; JSON to $OUT): the `bench --batching` rows, then one more continuous run
+of each workload with its stages timed, synchronized, after the same warmup: admissions (`_admit`: `generate` calls
+through vision and prefill into free rows) and decode chunks (issue to collect), with their counts and the mean rows
+stepped per chunk; within the admissions, the GPU time of the prefills (CUDA events around `PrefillRunner.run`) and
+the tokens they computed (bucket rows x tokens, padding included), to tell the prefills' compute from the rest.
 
-Run: `python bench/probes/batching_probe.py [--no-rows]` (writes $OUT/batching-probe.json, or
-bench/results/batching-probe.json).
+Run: `python bench/probes/batching_probe.py [--no-rows]` (`--no-rows`: only the timed runs).
 """
 
 import json
-import os
 import sys
 import time
 from argparse import Namespace
-from pathlib import Path
 
 import torch
 
+import harness
 from qwen3vl_static.batching_qwen3vl_graph import GraphBatchingManager
 from qwen3vl_static.bench_batching import (
     BATCHING_REQUESTS,
@@ -91,9 +89,8 @@ def timed_stages(model, prompts, lengths) -> dict:
     return {**row, **stages}
 
 
-def main():
-    out = Path(os.environ.get("OUT", "bench/results"))
-    out.mkdir(parents=True, exist_ok=True)
+def main() -> None:
+    harness.require_cuda()
     device, dtype = torch.device("cuda"), torch.bfloat16
     result = {}
     if "--no-rows" not in sys.argv:
@@ -111,7 +108,7 @@ def main():
         continuous(model, prompts[:BATCHING_SLOTS], lengths[:BATCHING_SLOTS])
         result[workload] = timed_stages(model, prompts, lengths)
         print(workload, json.dumps(result[workload]))
-    (out / "batching-probe.json").write_text(json.dumps(result, indent=1))
+    harness.write_json(result)
 
 
 if __name__ == "__main__":

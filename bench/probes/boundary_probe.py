@@ -1,4 +1,5 @@
-"""What does one kernel boundary of the decode step cost, and would finer-grained waiting shorten it? (H200 probe.)
+"""What does one kernel boundary of the decode step cost, and would finer-grained waiting shorten it? (H200; JSON
+to $OUT.)
 
 The batch-1 step is ~250 dependent kernels. In its timeline small kernels (the merge, add + RMSNorm) take 2-3 µs
 each from their predecessor's end to their own, for a few KB of work. Timed here: a CUDA graph of CHAIN small
@@ -13,18 +14,12 @@ kernels, each of PROGRAMS programs, each program reading a slice that other prog
 The result is checked against torch (`max_error`). Run: python bench/probes/boundary_probe.py
 """
 
-import json
-import os
-import sys
-
 import torch
-
-if not torch.cuda.is_available():
-    sys.exit("boundary_probe.py needs a CUDA device.")
-
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+import harness
 
 N, SHIFT, CHAIN = 2048, 1031, 252
 
@@ -73,36 +68,26 @@ def run(mode, programs):
             step_kernel[grid](src, dst, flags[index:], flags[index + 1:], grid[0], N, SHIFT, MODE=kernel_mode,
                               BLOCK=block, **(pdl if index else {}))
 
-    chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reps = 20
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
+    graph = harness.capture(chain)
+    us = harness.replay_us(graph) / CHAIN
     expected = torch.roll(start_vector, -SHIFT * CHAIN) + CHAIN
     error = (buffers[CHAIN % 2] - expected).abs().max().item()
-    return {"us_per_kernel": 1000 * start.elapsed_time(end) / reps / CHAIN, "max_error": error, "programs": grid[0]}
+    return {"us_per_kernel": us, "max_error": error, "programs": grid[0]}
 
 
-results = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__,
-           "chain": CHAIN, "rows": {}}
-for programs in (1, 16, 128):
-    for name, mode in (("stream", 0), ("pdl", 1), ("flag", 2), ("flag-release-first", 3)):
-        try:
-            row = run(mode, programs)
-        except Exception as error:  # noqa: BLE001 - a probe reports what failed
-            row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        results["rows"][f"{programs} programs/{name}"] = row
-        print(programs, name, row, flush=True)
-out = os.environ.get("OUT", "bench/results")
-os.makedirs(out, exist_ok=True)
-with open(os.path.join(out, "boundary-probe.json"), "w") as handle:
-    json.dump(results, handle, indent=1)
+def main() -> None:
+    harness.require_cuda()
+    rows = {}
+    for programs in (1, 16, 128):
+        for name, mode in (("stream", 0), ("pdl", 1), ("flag", 2), ("flag-release-first", 3)):
+            try:
+                row = run(mode, programs)
+            except Exception as error:  # noqa: BLE001 - a probe reports what failed
+                row = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            rows[f"{programs} programs/{name}"] = row
+            print(programs, name, row, flush=True)
+    harness.write_json({"chain": CHAIN, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -13,19 +13,17 @@ the 2B (and 8B) decode shapes at 1 and 8 rows:
   takes it: about bf16's 8 significant bits per element. `tN`: N scale blocks per loop step (bytes per stage).
 - `bf16`: the bf16 matrix through the package's bf16 skinny matmul at its measured tilings (the bar to reach).
 
-Each form's output is checked against the float32 product of the dequantized matrix. Writes $OUT/fp8_gemv_probe.json.
-Usage (H200): python bench/probes/fp8_gemv_probe.py [--shapes 2b 8b] [--forms package convert w8a8]
+Each form's output is checked against the float32 product of the dequantized matrix. JSON to $OUT.
+Run (H200): python bench/probes/fp8_gemv_probe.py [--shapes 2b 8b] [--forms package convert w8a8]
 """
 
 import argparse
-import json
-import os
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+import harness
 from qwen3vl_static import ops_matmul_qwen3vl_graph as matmul
 from qwen3vl_static.fp8_qwen3vl_graph import Fp8Weight
 from qwen3vl_static.triton_qwen3vl_graph import _wait_then_release, launch
@@ -148,6 +146,7 @@ def main():
     parser.add_argument("--forms", nargs="+", default=["package", "convert", "w8a8"],
                         help="forms whose names start with these (default all)")
     args = parser.parse_args()
+    harness.require_cuda()
     device = torch.device("cuda")
     tuner = KernelTuner()
     report = {}
@@ -181,9 +180,7 @@ def main():
             print(f"{rows} rows {model} {name}: bf16 {bf16_us:.1f} us; best FP8:",
                   ", ".join(f"{form} {us:.1f} us ({n * k / us / 1e3:.0f} GB/s, err {errors[form]:.1e})"
                             for us, form in ranked[:6]))
-    out = Path(os.environ.get("OUT", "bench/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fp8_gemv_probe.json").write_text(json.dumps(report, indent=1))
+    harness.write_json(report)
 
 
 if __name__ == "__main__":

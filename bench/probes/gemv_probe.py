@@ -1,44 +1,32 @@
-"""Do the decode step's matmuls run faster as the skinny Triton kernel than on cuBLAS? (H200 probe; numbers go to $OUT.)
+"""Is the skinny Triton matmul faster than cuBLAS on the decode step's matmuls, and is its tiling rule right? (H200;
+JSON to $OUT.)
 
-For each weight shape of Qwen3-VL-2B's decode step and 1, 2, 4, 8 rows (bf16): microseconds per call of F.linear and
-of `skinny_matmul` (ops_matmul_qwen3vl_graph.py) with the tiling its rule picks and with alternatives (is the rule right?). Timed as
-in the step: 28 calls over distinct weight copies (read from HBM, not L2) captured in one CUDA graph, replays timed
-with CUDA events; the Triton calls follow each other under programmatic dependent launch where the device has it.
-Also what `TritonOps.linear`'s tuner measures and picks by itself on first use.
+For each weight shape of Qwen3-VL-2B's decode step and 1 to 64 rows (bf16): microseconds per call of F.linear and of
+`skinny_matmul` (ops_matmul_qwen3vl_graph.py) at the tiling its rule picks and at alternatives that each change one
+thing (no split of K, half or twice the split, other tile shapes, warps, stages). Timed as in the step: 28 calls over
+distinct weight copies (read from HBM, not L2) captured in one CUDA graph; the Triton calls follow each other under
+programmatic dependent launch where the device has it. Also what the tuner measures by its own method (each call
+alone between two small kernels), which `TritonOps.linear` picks from.
 Run: python bench/probes/gemv_probe.py (about half a minute, most of it compiling the tilings)
 """
 
-import json
 import math
-import os
-import statistics
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    sys.exit("gemv_probe.py measures GPU kernels: it needs a CUDA device (none found).")
-
+import harness
 from qwen3vl_static.ops_matmul_qwen3vl_graph import skinny_config, skinny_matmul
-from qwen3vl_static.triton_qwen3vl_graph import triton
+from qwen3vl_static.triton_qwen3vl_graph import sm_count
 from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
-
-if triton is None:
-    sys.exit("gemv_probe.py needs Triton (not installed).")
 
 SHAPES = {"qkv": (4096, 2048), "o_proj": (2048, 2048), "gate_up": (12288, 2048), "down_proj": (2048, 6144),
           "lm_head": (151936, 2048)}  # (out_features N, in_features K)
-ROWS = (1, 2, 4, 8)
+ROWS = (1, 2, 4, 8, 16, 64)
 CALLS = 28  # one per layer, as in the step
-REPLAYS = 10
-device = torch.device("cuda")
-properties = torch.cuda.get_device_properties(device)
-sms = properties.multi_processor_count
 
 
-def tilings(n, k):
+def tilings(n, k, sms) -> dict:
     """The rule's tiling and alternatives that each change one thing about it."""
     rule = skinny_config(n, k, sms)
     return {
@@ -54,105 +42,63 @@ def tilings(n, k):
     }
 
 
-LABELS = list(tilings(*SHAPES["qkv"]))
+def chain_us(matmul, x, weights) -> float:
+    """Microseconds per call in a graph of CALLS calls cycling through the weight copies."""
+    graph = harness.capture(lambda: [matmul(x, weights[call % len(weights)]) for call in range(CALLS)])
+    return harness.replay_us(graph) / CALLS
 
 
-def graph_us(matmul, x, weights):
-    """Median microseconds per call over graph replays of CALLS calls that cycle through the weight copies."""
-    matmul(x, weights[0])  # compiles / warms up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in range(CALLS):
-            matmul(x, weights[call % len(weights)])
-    graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPLAYS)]
-    torch.cuda._sleep(2_000_000)  # ~1 ms: the replays queue up behind it, so none waits for the host
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(start.elapsed_time(end) for start, end in events) / CALLS
-
-
-def terabytes_per_s(n, k, us):
-    return n * k * 2 / (us * 1e-6) / 1e12
-
-
-def step_us(shapes, rows, per_call):
-    """The step's matmul time: a call per layer of qkv, o_proj, gate_up and down_proj, plus one lm_head."""
-    return sum((1 if name == "lm_head" else CALLS) * per_call(shapes[name]["rows"][rows]) for name in SHAPES)
-
-
-began = time.perf_counter()
-torch.manual_seed(0)
-results = {"device": properties.name, "sms": sms, "l2_bytes": properties.L2_cache_size, "torch": torch.__version__,
-           "triton": triton.__version__, "calls_per_graph": CALLS, "shapes": {}}
-for name, (n, k) in SHAPES.items():
-    copies = min(CALLS, max(2, math.ceil(4 * properties.L2_cache_size / (n * k * 2))))  # together 4x the L2
-    weights = [0.02 * torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-    configs = tilings(n, k)
-    entry = results["shapes"][name] = {"n": n, "k": k, "weight_copies": copies,
-                                       "tilings": {label: config._asdict() for label, config in configs.items()}, "rows": {}}
+def measure_shape(n, k, sms, l2_bytes, ticket) -> dict:
+    copies = min(CALLS, max(2, math.ceil(4 * l2_bytes / (n * k * 2))))  # together 4x the L2
+    weights = [0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    configs = tilings(n, k, sms)
+    entry = {"n": n, "k": k, "weight_copies": copies,
+             "tilings": {label: config._asdict() for label, config in configs.items()}, "rows": {}}
     for rows in ROWS:
-        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         exact = x.float() @ weights[0].float().T
         cublas = F.linear(x, weights[0])
-        row = {"cublas_us": graph_us(F.linear, x, weights), "cublas_err_vs_fp32": (cublas.float() - exact).abs().max().item()}
+        row = {"cublas_us": chain_us(F.linear, x, weights),
+               "cublas_err_vs_fp32": (cublas.float() - exact).abs().max().item()}
         for label, config in configs.items():
-            matmul = lambda x, weight, config=config: skinny_matmul(x, weight, config)  # noqa: E731
+            def matmul(x, weight, config=config):
+                return skinny_matmul(x, weight, config, ticket=ticket)
+
             try:  # a tiling that fails to compile or run must not cost the other numbers
                 out = matmul(x, weights[0])
-                row[label] = {"us": graph_us(matmul, x, weights),
+                row[label] = {"us": chain_us(matmul, x, weights),
                               "err_vs_cublas": (out.float() - cublas.float()).abs().max().item(),
                               "err_vs_fp32": (out.float() - exact).abs().max().item()}
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - reported, not timed
                 row[label] = {"us": math.inf, "error": f"{type(error).__name__}: {str(error)[:200]}"}
-        # What the package decides by itself (its own timing method, the rule's tiling) on first use of this shape.
-        try:
-            own_cublas_us, own_triton_us = KernelTuner().time_calls(
-                (lambda weight=weights[0]: F.linear(x, weight), lambda weight=weights[0]: skinny_matmul(x, weight)))
-            row["linear_measured"] = {"cublas_us": own_cublas_us, "triton_us": own_triton_us,
-                                      "picks": "triton" if own_triton_us < own_cublas_us else "cublas"}
-        except Exception as error:
-            row["linear_measured"] = {"picks": f"error: {type(error).__name__}", "cublas_us": math.nan, "triton_us": math.nan}
-        row["graph_faster"] = "triton" if row["rule"]["us"] < row["cublas_us"] else "cublas"
+        cublas_alone, rule_alone = KernelTuner().time_calls(
+            (lambda: F.linear(x, weights[0]), lambda: skinny_matmul(x, weights[0], configs["rule"], ticket=ticket)))
+        row["tuner_us"] = {"cublas": cublas_alone, "rule": rule_alone}
         entry["rows"][rows] = row
-    del weights
-    torch.cuda.empty_cache()
+        print(f"{n}x{k}, {rows} rows: cuBLAS {row['cublas_us']:.1f} us, "
+              + ", ".join(f"{label} {row[label]['us']:.1f}" for label in configs), flush=True)
+    return entry
 
 
-shapes = results["shapes"]
-results["step_us"] = {
-    rows: {
-        "cublas": step_us(shapes, rows, lambda r: r["cublas_us"]),
-        "rule": step_us(shapes, rows, lambda r: r["rule"]["us"]),
-        "faster_of_the_two": step_us(shapes, rows, lambda r: min(r["cublas_us"], r["rule"]["us"])),
-        "best_tiling_or_cublas": step_us(shapes, rows, lambda r: min([r["cublas_us"]] + [r[label]["us"] for label in LABELS])),
-    }
-    for rows in ROWS
-}
-results["seconds"] = time.perf_counter() - began
+def main() -> None:
+    harness.require_cuda()
+    torch.manual_seed(0)
+    properties = torch.cuda.get_device_properties(0)
+    ticket = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")  # counters of split-K sums, left at zero
+    shapes = {name: measure_shape(n, k, sm_count(torch.device("cuda")), properties.L2_cache_size, ticket)
+              for name, (n, k) in SHAPES.items()}
 
-print(f"{properties.name}, {sms} SMs, bf16; us per call (TB/s) in graphs of {CALLS} calls; linear() picks from its own"
-      " timing (cuBLAS/Triton us); max err: the rule's tiling against cuBLAS")
-print(f"{'shape':<10}{'rows':>5}{'cuBLAS':>16}" + "".join(f"{label:>16}" for label in LABELS)
-      + f"{'linear() picks':>24}{'max err':>10}")
-for name, entry in results["shapes"].items():
-    n, k = entry["n"], entry["k"]
-    for rows, row in entry["rows"].items():
-        cells = [row["cublas_us"]] + [row[label]["us"] for label in LABELS]
-        text = "".join(f"{us:>8.1f} ({terabytes_per_s(n, k, us):4.2f})" for us in cells)
-        own = row["linear_measured"]
-        pick = f"{own['picks']} ({own['cublas_us']:.1f}/{own['triton_us']:.1f})"
-        print(f"{name:<10}{rows:>5}{text}{pick:>24}{row['rule'].get('err_vs_cublas', math.nan):>10.3g}")
-for rows, totals in results["step_us"].items():
-    print(f"step matmuls, {rows} rows: " + ", ".join(f"{which} {us / 1000:.3f} ms" for which, us in totals.items()))
-print("split-K of the rule: " + ", ".join(f"{name} {entry['tilings']['rule']['split_k']}"
-                                          for name, entry in results["shapes"].items()))
-print(f"{results['seconds']:.1f} s")
-out = os.environ.get("OUT", "bench/results")
-os.makedirs(out, exist_ok=True)
-with open(os.path.join(out, "gemv-probe.json"), "w") as handle:
-    json.dump(results, handle, indent=1)
+    def step_us(rows, per_call):  # a call per layer of each projection, plus one lm_head
+        return sum((1 if name == "lm_head" else CALLS) * per_call(shapes[name]["rows"][rows]) for name in SHAPES)
+
+    step = {rows: {"cublas": step_us(rows, lambda r: r["cublas_us"]),
+                   "rule": step_us(rows, lambda r: r["rule"]["us"]),
+                   "faster_of_the_two": step_us(rows, lambda r: min(r["cublas_us"], r["rule"]["us"]))}
+            for rows in ROWS}
+    for rows, totals in step.items():
+        print(f"step matmuls, {rows} rows: " + ", ".join(f"{which} {us / 1000:.3f} ms" for which, us in totals.items()))
+    harness.write_json({"calls_per_graph": CALLS, "shapes": shapes, "step_us": step})
+
+
+if __name__ == "__main__":
+    main()

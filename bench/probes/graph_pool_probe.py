@@ -1,28 +1,21 @@
-"""Where does the graph pool's memory go, bf16 against FP8? (H200 probe; JSON to $OUT.)
+"""Where does the graph pool's memory go, bf16 against FP8? (H200; JSON to $OUT.)
 
-The benchmark used to report the memory reserved during `warmup()` as the graph pool: for the 2B 0.27 GB in bf16,
-3.3 GB with FP8 weights (51 graphs). For each variant, on a fresh model, this reserves memory phase by phase (the
-engine's build: the KV cache, the fused QKV and gate/up weights; one decode graph and a 16-token prefill graph; one
-2,048-token prefill graph; then the 2B benchmark's warmup at batch 1, 4 and 8), and after each phase reports the GiB
-reserved in all and in the model's graph pool (the benchmark's `graph_pool_gib`: the `torch.cuda.memory_snapshot()`
-segments of that pool) and the GiB allocated.
+For each variant, on a fresh model, this reserves memory phase by phase (the engine's build: the KV cache, the fused
+QKV and gate/up weights; one decode graph and a 16-token prefill graph; one 2,048-token prefill graph; then the 2B
+benchmark's warmup at batch 1, 4 and 8), and after each phase reports the GiB reserved in all and in the model's graph
+pool (the benchmark's `graph_pool_gib`: the `torch.cuda.memory_snapshot()` segments of that pool) and the GiB
+allocated.
 
-Run: python bench/probes/graph_pool_probe.py [--model 2b|8b] (writes $OUT/graph_pool_probe-<model>.json, or under
-bench/results/).
+Run: python bench/probes/graph_pool_probe.py [--model 2b|8b] (writes graph_pool_probe-<model>.json).
 """
 
 import argparse
 import gc
 import json
-import os
-import sys
-from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    sys.exit("graph_pool_probe.py needs a CUDA device.")
-
+import harness
 from qwen3vl_static.bench import graph_pool_gib
 from qwen3vl_static.fp8_quantize import quantize_fp8
 from qwen3vl_static.workloads import build_ours, generate_exactly_as_asked
@@ -62,17 +55,14 @@ def phases(model_name: str, fp8: bool) -> dict:
     return rows
 
 
-def main():
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=("2b", "4b", "8b"), default="2b")
     model = parser.parse_args().model
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": model,
-              "command": " ".join(["python", *sys.argv]), "bf16": phases(model, fp8=False),
-              "fp8": phases(model, fp8=True)}
+    harness.require_cuda()
+    result = {"model": model, "bf16": phases(model, fp8=False), "fp8": phases(model, fp8=True)}
     print(json.dumps(result, indent=1))
-    out = Path(os.environ.get("OUT", "bench/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"graph_pool_probe-{model}.json").write_text(json.dumps(result, indent=1))
+    harness.write_json(result, f"-{model}")
 
 
 if __name__ == "__main__":

@@ -1,29 +1,28 @@
-"""Where the decode step's time goes, kernel by kernel (H200 probe; JSON to $OUT).
+"""Where the decode step's time goes, kernel by kernel (H200; JSON and PNG to $OUT).
 
-A dense model's decode step (default the 2B) at some batch sizes (default 1 and 8; 512-token prompts), in bf16 and with every text linear
-in Qwen's FP8 format (default both), under torch.profiler: each kernel launch of a `generate` call grouped by
-(kernel, grid), with its mean duration and the step time attributed to it (its end minus the previous kernel's end:
-under PDL a kernel starts early and waits, so its duration overstates it, while the attributed times add up to the
-step). Groups launched fewer times than the
-call's steps are left out; the prefill's own groups launched more often remain (at batch 8, cuBLAS's prefill
-matmuls show up at 1.4 per step).
+A dense model's decode step (default the 2B) at some batch sizes (default 1 and 8; 512-token prompts), in bf16 and
+with every text linear in Qwen's FP8 format (default both), under torch.profiler: each kernel launch of a `generate`
+call grouped by (kernel, grid), with its mean duration and the step time attributed to it (its end minus the previous
+kernel's end: under PDL a kernel starts early and waits, so its duration overstates it, while the attributed times add
+up to the step). Groups launched fewer times than the call's steps are left out; the prefill's own groups launched
+more often remain (at batch 8, cuBLAS's prefill matmuls show up at 1.4 per step).
 
-Run: python bench/probes/step_kernels_probe.py [--model 2b] [--batches 1 8] [--variants bf16 fp8] [--context 512]
-(writes $OUT/step-kernels-probe.json and .png, or bench/results/...). `--plot JSON [JSON ...] --png PATH` draws
-saved runs in one picture (no GPU needed): each step's attributed time by kind of kernel.
+Run: python bench/probes/step_kernels_probe.py [--model 2b] [--batches 1 8] [--variants bf16 fp8] [--context 512].
+`--plot JSON [JSON ...] --png PATH` draws saved runs in one picture (no GPU needed): each step's attributed time by
+kind of kernel.
 """
 
 import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+import harness
 from qwen3vl_static.bench import LONG, decode_slope, timed_generate
 from qwen3vl_static.fp8_quantize import NOT_CONVERTED, quantize_fp8
 from qwen3vl_static.workloads import build_ours, generate_exactly_as_asked, text_prompt
@@ -156,17 +155,11 @@ def main() -> None:
         plot(saved_runs(args.plot), args.png, json.loads(Path(args.plot[0]).read_text()).get("model", "2b"))
         print(f"wrote {args.png}")
         return
-    if not torch.cuda.is_available():
-        sys.exit("step_kernels_probe.py measures on a CUDA device (--plot draws saved runs anywhere).")
+    harness.require_cuda()
     results = {variant: measure(variant, args.batches, args.context, args.model) for variant in args.variants}
-    out = Path(os.environ.get("OUT", "bench/results")) / "step-kernels-probe.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "command": "python bench/probes/step_kernels_probe.py " + " ".join(sys.argv[1:]),
-                              "model": args.model, "context": args.context, **results},
-                              indent=1))
+    out = harness.write_json({"model": args.model, "context": args.context, **results})
     plot(saved_runs([out]), out.with_suffix(".png"), args.model)
-    print(f"wrote {out} and its .png")
+    print(f"wrote {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where a TTFT goes, and what a decode step's GPU time is made of (H200): the stage split of one
+"""Where a TTFT goes, and what a decode step's GPU time is made of (H200; JSON to $OUT): the stage split of one
 `generate(max_new_tokens=1)` on a 448x448 image prompt (vision, prefill, M-RoPE index, the rest), TTFT without the
 prompt prefilled ahead and without the vision tower run ahead either, the tower eagerly at its exact size and with
 the stock Conv3d patch embedding, kernel profiles of a batch-1 decode step and of the call's vision tower and
@@ -6,14 +6,12 @@ prefill, when the host enters and leaves each stage of a call (unprofiled), the 
 and the call's timeline: when the GPU first gets work, and each gap in its work with what the host was doing then.
 
 The probe wraps runner methods to time them (the benchmark never does). Run: `python bench/probes/ttft_probe.py
-[--batch 8]` (rows of one 448x448 image + 30 tokens each; writes $OUT/ttft-probe.json, or
-bench/results/ttft-probe.json).
+[--batch 8]` (rows of one 448x448 image + 30 tokens each).
 """
 
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import tempfile
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
+import harness
 from qwen3vl_static import modeling_qwen3vl_graph
 from qwen3vl_static.bench import best_ms, timed_generate
 from qwen3vl_static.workloads import build_models, image_prompt
@@ -197,6 +196,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1, help="rows of one 448x448 image + 30 tokens each")
     args = parser.parse_args()
+    harness.require_cuda()
     device = torch.device("cuda")
     ours, _ = build_models(device, torch.bfloat16)
     image = image_prompt(ours.config, device, torch.Generator().manual_seed(0), batch=args.batch)
@@ -235,11 +235,8 @@ def main() -> None:
     result["gpu_profile"] = kernel_breakdown(ours, image)
     result["host_profile_ms"] = host_profile(lambda: timed_generate(ours, image, 1))
     result["timeline"] = timeline(lambda: timed_generate(ours, image, 1))
-    out = Path(os.environ.get("OUT", "bench/results")) / "ttft-probe.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
     print(json.dumps({key: value for key, value in result.items() if key != "host_profile_ms"}, indent=1))
-    print(f"wrote {out}")
+    harness.write_json(result, f"-batch{args.batch}" if args.batch > 1 else "")
 
 
 if __name__ == "__main__":
