@@ -87,7 +87,7 @@ if triton is not None:
         A program loops only over the tiles that hold written slots, and loads only the slots its row attends to:
         written (up to the new token's) and not left padding. The others load as zeros, so whatever they hold drops
         out; masking the loads, rather than zeroing K and V in registers after them, lets the tiles go from the copy
-        to the MMA untouched (on an H200, 9-11% faster at batch 8-64, `bench/probes/attention_forms_probe.py`)."""
+        to the MMA untouched (on an H200, 9-11% faster at batch 8-64: docs/experiments.md)."""
         _wait_then_release(PDL)
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
