@@ -1,25 +1,32 @@
-"""Continuous batching on the graph engine: many requests share the static cache's rows ("slots").
+"""Continuous batching on the graph engine: many requests share the static cache's rows, each with its own settings.
 
-A request (token ids and, for images and videos, the processor's outputs) enters a free row through `generate`
-itself (`Admission`): transformers prepares its inputs as for any call (M-RoPE positions, multimodal inputs, its
-generation config's processors and criteria) and the engine's vision runner and prefill write its prompt into that
-row alone, through the graphs `generate` uses. Requests that arrive together with the same settings enter together,
-one `generate` call for as many rows as a batch bucket holds (a call's host work costs more than its prefill). The
-rows in use then decode together, `steps_per_sync` steps per
-chunk, through the decode graphs; the host reads each chunk's tokens and ends each row by its own request's rules
-(its EOS ids, its max_new_tokens), and a finished row takes the next request while the others keep decoding. No
-graph is captured per request: prefill and decode graphs are keyed by buckets, and the row is data.
+A background thread owns the batch. Each turn of its loop
+1. takes new requests in (`_prepare`, on the host: inputs checked, settings resolved, M-RoPE positions computed; a
+   bad request fails alone here, before anything is written) and cancellations;
+2. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget), and
+   prefills them directly through the engine's vision and prefill runners (no `generate` call: its host work would
+   cost more than the prefill), several prompts per launch, padded on the left within groups of one kind;
+3. queues the next chunk of `steps_per_sync` decode steps for every row in use, sampling in the graph with each row's
+   own parameters and seed (seeded modes: `DecodeRunner.sample`);
+4. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
+   request by its own rules (EOS ids, max_new_tokens, stop strings, cancellation) and streams tokens.
+Running rows thus wait for at most one prefill budget per chunk. No graph is captured per request: decode graphs are
+keyed by (batch bucket, KV bucket, mode), and the row is data.
 
-The API follows transformers' continuous batching (`init_continuous_batching()` -> a manager with `start`,
-`add_request`, `get_result`, `stop`; `generate_batch`), and results are transformers' own `GenerationOutput`s.
+The manager's API is transformers' `ContinuousBatchingManager`'s (`init_continuous_batching()`, `start`,
+`add_request(..., streaming=...)`, `get_result`, `request_id_iter`, `register_result_handler`, `cancel_request`,
+`stop`, `generate_batch`) and its results are transformers' own `GenerationOutput`s.
 """
 
+import asyncio
 import copy
 import itertools
+import math
 import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,66 +34,69 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
-from .compat_qwen3vl_graph import first_decode_positions
-from .loops_qwen3vl_graph import device_plan, first_tokens
+from .compat_qwen3vl_graph import generate_position_ids, prompt_positions
+from .loops_qwen3vl_graph import TOP_K_CANDIDATES
+from .runner_qwen3vl_graph import bucket_of
+from .scheduler_qwen3vl_graph import Scheduler, Sequence
 
 logger = logging.get_logger(__name__)
 
 # Generation settings a request may set for itself; its other keywords are model inputs (the processor's outputs).
-REQUEST_SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id")
-
-
-# Model inputs that one `generate` call can carry for several requests (each one prompt's processor outputs): token
-# rows padded on the left, as processors pad (with these values; None: the pad token id), and media joined in order.
+REQUEST_SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "seed", "eos_token_id",
+                    "stop_strings")
+# Settings that make a request sample when it sets them and not `do_sample` (as a server's client expects).
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "seed")
+# Model inputs one request may carry: token rows (padded on the left when prompts enter together, with these values;
+# None: the pad token id) and media (joined in row order).
 PADDED_INPUTS = {"input_ids": None, "attention_mask": 0, "mm_token_type_ids": 0}
 JOINED_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+DEFAULT_MAX_PREFILL_TOKENS = 8192
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+MAX_SLOTS = 512  # past this many rows a step's KV reads grow with the rows and tokens/s no longer does
 
 
-class Admission:
-    """Requests' way into the decode runner's rows `rows`, one row each: the model's `_sample` hands `generate`'s
-    prepared inputs to `prefill`, which writes the prompts into those rows' cache rows, draws their first tokens and
-    sets the rows decoding, instead of decoding itself."""
-
-    def __init__(self, rows: list):
-        self.rows = rows
-        self.tokens = self.plan = None
-
-    def prefill(self, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
-        plan = device_plan(logits_processor, stopping_criteria, generation_config)
-        if plan is None:
-            raise ValueError("Continuous batching takes greedy search or sampling with temperature, top-k and top-p, "
-                             "stopping at EOS ids and max_new_tokens; this request's settings need another processor "
-                             "or criterion: run it with `generate`.")
-        runner = model._engine.decode
-        rows = torch.tensor(self.rows, device=input_ids.device)
-        cache_rows = torch.tensor([runner.cache_row_of[row] for row in self.rows], device=input_ids.device)
-        logits, positions = model._prefill_prompt(input_ids, model_kwargs, 0, rows=cache_rows)
-        runner.set_row_sampling(rows, plan["temperature"], plan["top_k"], plan["top_p"])
-        tokens = first_tokens(runner, logits, plan["mode"], rows)
-        positions = first_decode_positions(model, model_kwargs, positions, input_ids.shape[1])[:, :, 0]
-        mask = model_kwargs.get("attention_mask")
-        runner.admit(rows, tokens, positions, torch.ones_like(input_ids) if mask is None else mask)
-        self.tokens, self.plan = tokens, plan
-        return torch.cat([input_ids, tokens[:, None].to(input_ids.device)], dim=1)
+def kv_bytes_per_slot(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V one cache slot holds across the layers."""
+    text = config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-class _Request:
-    def __init__(self, request_id, input_ids, inputs, settings):
-        self.input_ids, self.inputs, self.settings = input_ids, inputs, settings  # as added: read when admitted
-        self.output = GenerationOutput(request_id=request_id)
-        self.prompt = None  # its model inputs on the model's device, `(1, n)` token rows
-        self.eos_ids = ()
-        self.mode = None  # its decode mode (`device_plan`)
-        self.max_new_tokens = 0
-        self.length = 0  # cache slots its row holds
+def device_memory(device) -> tuple | None:
+    """(free, total) bytes of `device`, or None where there is no such figure (the CPU)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)
 
-    def group(self) -> tuple:
-        """Requests of one group can enter in one `generate` call: the same kinds of inputs and the same settings
-        besides max_new_tokens."""
-        if set(self.prompt) - set(PADDED_INPUTS) - set(JOINED_INPUTS):
-            return (id(self),)  # inputs this module cannot join: alone
-        settings = sorted((key, repr(value)) for key, value in self.settings.items() if key != "max_new_tokens")
-        return tuple(sorted(self.prompt)), tuple(settings)
+
+def slots_from_memory(free: int, total: int, held: int, slot_bytes: int, cache_len: int, gpu_memory_utilization: float,
+                      max_prefill_tokens: int, requests: int | None = None) -> tuple:
+    """(rows, why): how many cache rows of `cache_len` slots fit in `gpu_memory_utilization` of the device's `total`
+    memory, given what is `free` and the bytes of the cache it replaces (`held`), leaving room for a prefill of
+    `max_prefill_tokens` (64 KiB a token: its activations) and 1 GiB of graphs and workspace; at most MAX_SLOTS rows
+    and `requests` (when known)."""
+    in_use = total - free - held
+    reserve = max_prefill_tokens * 64 * 1024 + 2**30
+    budget = int(total * gpu_memory_utilization) - in_use - reserve
+    fit = max(0, budget // (slot_bytes * cache_len))
+    rows = min(fit, MAX_SLOTS, requests or MAX_SLOTS)
+    why = (f"{fit} rows of {cache_len} slots ({slot_bytes * cache_len / 2**20:.0f} MiB each) fit in "
+           f"{budget / 2**30:.1f} GiB: gpu_memory_utilization={gpu_memory_utilization} of {total / 2**30:.1f} GiB, less "
+           f"{in_use / 2**30:.1f} GiB in use and {reserve / 2**30:.1f} GiB kept for prefill and graphs")
+    if rows < fit:
+        why += f"; {rows} used ({'the requests' if rows == requests else f'at most {MAX_SLOTS}'})"
+    return rows, why
+
+
+@dataclass
+class _Chunk:
+    """Work queued on the device whose results the host has not read yet."""
+
+    handle: object  # `DecodeRunner.issue`'s, None when no decode steps were queued
+    owners: dict  # row -> Sequence when the steps were queued
+    steps: int
+    entered: list  # sequences prefilled before the steps, whose first tokens `first_tokens` holds
+    first_tokens: object = None
 
 
 class GraphBatchingManager:
@@ -94,11 +104,20 @@ class GraphBatchingManager:
     thread runs the batch from `start()` to `stop()`, holding the model for the whole time (`generate` calls from
     other threads wait); `stop()` lets every request already added finish first."""
 
-    def __init__(self, model, generation_config=None, max_queue_size: int = 0):
+    def __init__(self, model, generation_config=None, max_queue_size: int = 0,
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, tokenizer=None):
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
         self.model = model
         self.generation_config = generation_config if generation_config is not None else model.generation_config
+        self.max_prefill_tokens = max_prefill_tokens
+        self.tokenizer = tokenizer  # decodes the tail of an answer for requests with stop strings
         self.input_queue = queue.Queue(max_queue_size)
         self.output_queue = queue.Queue()
+        self._cancelled = queue.SimpleQueue()
+        self._streams = {}  # request id -> its queue of outputs (streaming requests)
+        self._handlers = {}  # request id -> (callback, event loop or None)
+        self._lock = threading.Lock()
         self._request_ids = itertools.count()
         self._stopping = threading.Event()
         self._thread = None
@@ -128,25 +147,34 @@ class GraphBatchingManager:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None, **kwargs) -> str:
-        """Queue one request: `input_ids` (a list of ids, or a `(n,)` / `(1, n)` tensor); `kwargs` are its own
-        generation settings (`REQUEST_SETTINGS`) and its model inputs (the processor's `pixel_values`,
-        `image_grid_thw`, ... for this one prompt). Returns its request id."""
+    def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, **kwargs) -> str:
+        """Queue one request: `input_ids` (a list of ids, or a `(n,)` / `(1, n)` tensor, best on the CPU); `kwargs`
+        are its own generation settings (`REQUEST_SETTINGS`) and its model inputs (the processor's `pixel_values`,
+        `image_grid_thw`, ... for this one prompt). `streaming`: its tokens are delivered as they are drawn (through
+        `request_id_iter` or a registered handler), each output holding every token so far. Returns its request id."""
         # Nothing here touches the device: a CUDA call from this thread would break a graph that the batch's thread
-        # may be capturing. The batch's thread reads and checks the tensors when the request enters a row.
+        # may be capturing. The batch's thread checks the request when it takes it in.
         if request_id is None:
             request_id = f"req_{next(self._request_ids)}"
         self.timings[request_id] = {"added": time.perf_counter()}
         settings = {key: kwargs.pop(key) for key in REQUEST_SETTINGS if key in kwargs}
         if max_new_tokens is not None:
             settings["max_new_tokens"] = max_new_tokens
-        self.input_queue.put(_Request(request_id, input_ids, kwargs, settings))
+        if streaming:
+            self._streams[request_id] = queue.Queue()
+        self.input_queue.put((GenerationOutput(request_id=request_id), input_ids, kwargs, settings, streaming))
         return request_id
 
     def add_requests(self, inputs, **kwargs) -> list:
         """`add_request` for each of `inputs` (token ids, or a dict of one prompt's processor outputs), `kwargs` for
         every one of them."""
         return [self.add_request(**_as_request(item), **kwargs) for item in inputs]
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel a request: a waiting one never starts, a running one frees its row at the next chunk. Its result
+        (status FAILED, error "cancelled") holds the tokens drawn until then."""
+        self._cancelled.put(request_id)
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next finished request (of id `request_id`, when given) within `timeout` seconds, else None. Raises
@@ -167,6 +195,39 @@ class GraphBatchingManager:
             if request_id is None or result.request_id == request_id:
                 return result
             self.output_queue.put(result)
+
+    def request_id_iter(self, request_id: str):
+        """The outputs of one request as they come (a streaming request's after every chunk, each with every token so
+        far; otherwise its result), until it is finished or failed."""
+        stream = self._streams.get(request_id)
+        while True:
+            if stream is None:
+                result = self.get_result(request_id, timeout=0.1)
+            else:
+                try:
+                    result = stream.get(timeout=0.1)
+                except queue.Empty:
+                    result = None
+            if result is not None:
+                yield result
+                if result.status >= RequestStatus.FINISHED:
+                    self._streams.pop(request_id, None)
+                    return
+            elif self.error is not None:
+                raise RuntimeError("the continuous batch stopped on an error") from self.error
+            elif not self.is_running() and (stream is None or stream.empty()):
+                return
+
+    def register_result_handler(self, request_id: str, callback) -> None:
+        """Call `callback(output)` with each output of the request (streaming: after every chunk; else its result):
+        on the caller's asyncio event loop when one is running (as transformers' manager), else on the batch's thread
+        (keep it short). Removed when the request ends."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        with self._lock:
+            self._handlers[request_id] = (callback, loop)
 
     def __iter__(self):
         """Results as they finish, until the batch has stopped and every result is taken."""
@@ -193,192 +254,374 @@ class GraphBatchingManager:
             raise RuntimeError("the continuous batch stopped on an error") from self.error
         return {request_id: results[request_id] for request_id in ids}
 
+    # -- delivery -------------------------------------------------------------------------------------------
+
+    def _deliver(self, sequence: Sequence, final: bool) -> None:
+        """Hand out the request's output: a snapshot after a chunk (streaming), or its result."""
+        output = sequence.output
+        if not final:
+            output = copy.copy(output)
+            output.generated_tokens = list(output.generated_tokens)
+        with self._lock:
+            handler = self._handlers.pop(output.request_id, None) if final else self._handlers.get(output.request_id)
+        if handler is not None:
+            callback, loop = handler
+            if loop is None:
+                callback(output)
+            else:
+                loop.call_soon_threadsafe(callback, output)
+        elif sequence.streaming:
+            self._streams[output.request_id].put(output)
+        else:
+            self.output_queue.put(output)
+
+    def _end(self, sequence: Sequence, scheduler, status, error=None) -> None:
+        output = sequence.output
+        output.status, output.error = status, error
+        self.timings[output.request_id]["finished"] = time.perf_counter()
+        scheduler.finish(sequence)
+        self._deliver(sequence, final=True)
+
     # -- the batch ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         model = self.model
+        scheduler = None
         try:
             with model._generate_lock, model.backend_flags(), torch.no_grad():
                 engine = model.graph_engine()
+                scheduler = Scheduler(engine.cache.rows, self.max_prefill_tokens)
                 try:
-                    self._decode_rows(engine)
+                    self._loop(engine, scheduler)
                 finally:
                     engine.decode.idle()
                     engine.cache.clear()
-        except Exception as error:  # noqa: BLE001 - handed to the caller of get_result
+        except Exception as error:  # noqa: BLE001 - every waiting caller sees it
             logger.error(f"The continuous batch stopped: {error!r}")
             self.error = error
-
-    def _decode_rows(self, engine) -> None:
-        runner, cache = engine.decode, engine.cache
-        runner.open_slots(self.generation_config.pad_token_id)
-        rows = [None] * cache.rows  # the request each row holds
-        pending = deque()
-        while True:
+            message = f"the continuous batch stopped: {type(error).__name__}: {error}"
+            pending = [] if scheduler is None else [*scheduler.waiting, *scheduler.running.values()]
             while True:
                 try:
-                    pending.append(self.input_queue.get_nowait())
+                    pending.append(self._prepare(*self.input_queue.get_nowait(), engine=None))
                 except queue.Empty:
                     break
-            free = [row for row, request in enumerate(rows) if request is None]
-            entering = min(len(free), len(pending))
-            # While requests wait, free rows gather until an eighth of the rows is free (or every waiting request
-            # fits): a `generate` call costs several ms of host work, more than those rows' steps in the meantime.
-            if entering and entering >= max(1, min(cache.rows // 8, len(pending))):
-                admitted = self._admit([pending.popleft() for _ in range(entering)], free, engine)
-                for row, request in admitted.items():
-                    rows[row] = request
-            active = [row for row, request in enumerate(rows) if request is not None]
-            if not active:
-                if pending:
+                except ValueError:
                     continue
-                if self._stopping.is_set() and self.input_queue.empty():
-                    return
-                try:
-                    pending.append(self.input_queue.get(timeout=0.05))
-                except queue.Empty:
-                    pass
-                continue
-            runner.continue_rows(active[-1] + 1, max(rows[row].length for row in active))
-            steps = runner.steps_per_sync
-            # The candidates' mode only where every row's top-k allows it (greedy batches: "greedy" throughout).
-            modes = {rows[row].mode for row in active}
-            mode = "sample" if "sample" in modes else modes.pop()
-            tokens, _ = runner.collect(runner.issue(steps, mode))
-            for row in active:
-                request = rows[row]
-                request.length += steps
-                for token in tokens[row].tolist():
-                    if self._append(request, token):
-                        rows[row] = None
-                        runner.release(row)
-                        break
-            # The rows in use to the front: the next steps cover them and as few free rows as their bucket leaves.
-            order = sorted(range(len(rows)), key=lambda row: rows[row] is None)
-            if order != sorted(order):
-                runner.reorder(order)
-                rows = [rows[row] for row in order]
+            for sequence in pending:
+                if sequence is not None and not sequence.done:
+                    sequence.done = True
+                    sequence.output.status, sequence.output.error = RequestStatus.FAILED, message
+                    self._deliver(sequence, final=True)
 
-    def _admit(self, requests, free: list, engine) -> dict:
-        """Prefill `requests` into `free` rows, a group of alike requests per `generate` call (its size a batch
-        bucket: `_parts`); returns {row: request} for those that go on decoding (the others finished with their first
-        token, or failed: their results then name the problem)."""
-        groups = {}
-        for request in requests:
+    def _loop(self, engine, scheduler) -> None:
+        runner = engine.decode
+        runner.open_slots(self.generation_config.pad_token_id)
+        in_flight = deque()
+        while True:
+            self._take_in(scheduler, engine, wait=not (scheduler.has_work() or in_flight))
+            entered = scheduler.schedule()
+            chunk = None
+            if entered:
+                chunk = _Chunk(None, {}, 0, *self._enter(entered, engine, scheduler))
+            if scheduler.running:
+                order = scheduler.compact(lambda rows: bucket_of(runner.batch_buckets, rows))
+                if order is not None:
+                    runner.reorder(order)
+                running = scheduler.running
+                runner.continue_rows(scheduler.active_rows(), max(sequence.length for sequence in running.values()))
+                modes = {sequence.mode for sequence in running.values()}
+                mode = "greedy" if modes == {"greedy"} else (
+                    "sample_seeded" if "sample_seeded" in modes else "sample_top_k_seeded")
+                steps = runner.steps_per_sync
+                chunk = chunk or _Chunk(None, {}, 0, [])
+                chunk.handle, chunk.owners, chunk.steps = runner.issue(steps, mode), dict(running), steps
+                for sequence in running.values():
+                    sequence.length += steps
+            if chunk is not None:
+                in_flight.append(chunk)
+            # One chunk stays queued while the host reads the one before; with nothing new queued, read them all.
+            while len(in_flight) > (1 if chunk is not None else 0):
+                self._read(in_flight.popleft(), scheduler, runner)
+            if not in_flight and not scheduler.has_work() and self._stopping.is_set() and self.input_queue.empty():
+                return
+
+    def _take_in(self, scheduler, engine, wait: bool) -> None:
+        """New requests into the scheduler (each checked: a bad one fails here, alone) and cancellations applied."""
+        while True:
             try:
-                self._prepare(request, engine)
+                item = self.input_queue.get(timeout=0.05) if wait else self.input_queue.get_nowait()
+            except queue.Empty:
+                break
+            wait = False
+            try:
+                scheduler.add(self._prepare(*item, engine=engine))
             except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
-                self._fail(request, error)
+                output, streaming = item[0], item[4]
+                sequence = Sequence(output, {}, None, 0, streaming=streaming)
+                output.status, output.error = RequestStatus.FAILED, f"{type(error).__name__}: {error}"
+                self.timings[output.request_id]["finished"] = time.perf_counter()
+                self._deliver(sequence, final=True)
+        while True:
+            try:
+                request_id = self._cancelled.get_nowait()
+            except queue.Empty:
+                break
+            sequence = scheduler.find(request_id)
+            if sequence is None:
                 continue
-            groups.setdefault(request.group(), []).append(request)
-        rows, admitted = iter(free), {}
-        for group in groups.values():
-            for part in _parts(group, engine.prefill.batch_buckets):
-                admitted.update(self._enter(part, [next(rows) for _ in part], engine))
-        return admitted
+            if sequence in scheduler.waiting:
+                self._end(sequence, scheduler, RequestStatus.FAILED, "cancelled")
+            else:
+                sequence.cancelled = True  # its row frees when the chunks queued for it are read
 
-    def _prepare(self, request, engine) -> None:
-        """Read and check a request as added, in the batch's thread: its inputs on the model's device, its settings
-        against the batch's, its length against the cache. Raises what is wrong with it."""
-        device, config = engine.device, self.generation_config
-        input_ids = torch.as_tensor(request.input_ids, dtype=torch.long, device=device).view(1, -1)
-        request.output.prompt_ids = input_ids[0].tolist()
-        prompt = {key: value.to(device) if isinstance(value, torch.Tensor) else value
-                  for key, value in request.inputs.items()}
+    def _prepare(self, output, input_ids, inputs, settings, streaming, engine) -> Sequence:
+        """A request as added, checked and resolved on the host: its inputs, its settings against the batch's
+        generation config, its length against the cache, its prompt's M-RoPE positions. Raises what is wrong."""
+        if engine is None:  # the batch stopped: only its output is needed
+            return Sequence(output, {}, None, 0, streaming=streaming)
+        from .modeling_qwen3vl_graph import _check_generate_inputs  # the model's own input checks
+
+        ids = torch.as_tensor(input_ids).cpu()
+        if ids.dtype.is_floating_point or ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1) or not ids.numel():
+            raise ValueError(f"input_ids must be one prompt's token ids (a list, or a (n,) or (1, n) tensor of "
+                             f"integers), got {'an empty prompt' if not ids.numel() else tuple(ids.shape)}")
+        ids = ids.long().view(1, -1)
+        unknown = set(inputs) - set(PADDED_INPUTS) - set(JOINED_INPUTS)
+        if unknown:
+            raise ValueError(f"Unknown request keywords {sorted(unknown)}: a request takes generation settings "
+                             f"{list(REQUEST_SETTINGS)} and the processor's outputs {[*PADDED_INPUTS, *JOINED_INPUTS]}.")
+        prompt = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
         mask = prompt.get("attention_mask")
-        if mask is not None and not bool(mask.bool().all()):
-            raise ValueError("A request is one prompt without padding: its attention_mask must be all ones (pass each "
-                             "prompt of a padded batch as a request of its own, without its padding).")
-        if bool(request.settings.get("do_sample", config.do_sample)) != bool(config.do_sample):
-            raise ValueError(f"This batch {'samples' if config.do_sample else 'decodes greedily'} (its generation "
-                             "config's do_sample): a request cannot change that.")
-        length = input_ids.shape[1]
-        new_tokens = request.settings.get("max_new_tokens") or config.max_new_tokens or config.max_length - length
-        self._check_capacity(length, new_tokens, engine)
-        request.prompt = {**prompt, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-        request.max_new_tokens = new_tokens
+        if mask is not None and (tuple(mask.shape) != tuple(ids.shape) or not bool(mask.bool().all())):
+            raise ValueError("A request is one prompt without padding: its attention_mask must be all ones and of its "
+                             "input_ids' shape (pass each prompt of a padded batch as a request of its own).")
+        _check_generate_inputs(self.model.config, ids, prompt)
+        output.prompt_ids = ids[0].tolist()
+        prompt = {**prompt, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        sequence = Sequence(output, prompt, None, 0, streaming=streaming)
+        self._resolve_settings(sequence, settings, engine)
+        with torch.no_grad():
+            position_ids = generate_position_ids(self.model, ids, prompt)
+            if position_ids is not None:
+                prompt["position_ids"] = position_ids
+            sequence.positions = prompt_positions(self.model, ids, prompt)
+        prompt.pop("position_ids", None)
+        sequence.length = ids.shape[1]
+        return sequence
+
+    def _resolve_settings(self, sequence: Sequence, settings: dict, engine) -> None:
+        """The request's settings over the batch's generation config, checked and named when wrong."""
+        config = self.generation_config
+        unknown_type = {key for key in ("max_new_tokens", "top_k", "seed")
+                        if settings.get(key) is not None and (isinstance(settings[key], bool)
+                                                              or not isinstance(settings[key], int))}
+        unknown_type |= {key for key in ("temperature", "top_p", "min_p")
+                         if settings.get(key) is not None and (isinstance(settings[key], bool)
+                                                               or not isinstance(settings[key], (int, float)))}
+        if unknown_type:
+            raise ValueError(f"Request settings of the wrong type: " + ", ".join(
+                f"{key}={settings[key]!r}" for key in sorted(unknown_type)) + " (max_new_tokens, top_k and seed take "
+                "integers; temperature, top_p and min_p numbers).")
+
+        def value(key):
+            return settings[key] if settings.get(key) is not None else getattr(config, key, None)
+
+        if "do_sample" in settings:
+            do_sample = bool(settings["do_sample"])
+        elif any(settings.get(key) is not None for key in SAMPLING_SETTINGS):
+            do_sample = settings.get("temperature") != 0  # sets sampling parameters: samples (temperature 0: greedy)
+        else:
+            do_sample = bool(config.do_sample)
+        temperature = value("temperature")
+        temperature = 1.0 if temperature is None else float(temperature)
+        if do_sample and temperature == 0:
+            do_sample = False
+        top_k, top_p, min_p = value("top_k"), value("top_p"), value("min_p")
+        vocab = engine.decode.logits.shape[1]
+        if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (min_p is not None and not 0 <= min_p <= 1) \
+                or (top_k is not None and top_k < 0):
+            raise ValueError(f"Sampling settings out of range: temperature={temperature} (>= 0), top_k={top_k} "
+                             f"(>= 0), top_p={top_p} (in (0, 1]), min_p={min_p} (in [0, 1]).")
+        seed = settings.get("seed")
+        if seed is None:  # drawn from torch's generator: `torch.manual_seed` makes a batch reproducible
+            seed = int(torch.randint(0, 2**31 - 1, ()))
+        sequence.do_sample = do_sample
+        sequence.sampling = {
+            "temperature": temperature if do_sample else 1.0,
+            "top_k": (top_k or vocab) if do_sample else 1,  # a greedy row among sampled ones: its argmax
+            "top_p": float("inf") if not do_sample or top_p is None or top_p >= 1 else float(top_p),
+            "min_p": float(min_p or 0.0) if do_sample else 0.0,
+            "seed": seed, "candidates": TOP_K_CANDIDATES,
+        }
+        eos = settings["eos_token_id"] if "eos_token_id" in settings else config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if not all(isinstance(token, int) and not isinstance(token, bool) for token in eos):
+            raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+        sequence.eos_ids = frozenset(eos)
+        stops = settings.get("stop_strings") or config.stop_strings or ()
+        stops = (stops,) if isinstance(stops, str) else tuple(stops)
+        if stops and (self.tokenizer is None or not all(isinstance(stop, str) and stop for stop in stops)):
+            raise ValueError("stop_strings need the manager's tokenizer (init_continuous_batching(tokenizer=...)) and "
+                             f"non-empty strings, got {stops!r}")
+        sequence.stop_strings = stops
+        cache, past_end = engine.cache, self.past_end(engine)
+        length = sequence.prompt_len
+        new_tokens = value("max_new_tokens")
+        if new_tokens is None:  # as a server does: as many as the row holds
+            new_tokens = cache.capacity - length - past_end
+        needed = length + new_tokens + past_end
+        if new_tokens < 1 or needed > cache.capacity:
+            raise ValueError(
+                f"The request does not fit a cache row: a {length}-token prompt and max_new_tokens={new_tokens} (at "
+                f"least 1) need {needed} slots with the {past_end} steps a row may run past its end, and a row holds "
+                f"{cache.capacity} (static_cache_len). Ask for fewer new tokens or raise static_cache_len.")
+        sequence.max_new_tokens = new_tokens
 
     @staticmethod
-    def _check_capacity(prompt: int, new_tokens: int, engine) -> None:
-        steps = engine.decode.steps_per_sync
-        # A row stops only between chunks: up to steps_per_sync - 1 steps past its end are written too.
-        needed = prompt + new_tokens + steps - 1
-        if new_tokens < 1 or needed > engine.cache.capacity:
-            raise ValueError(f"The request needs {needed} cache slots (a {prompt}-token prompt, {new_tokens} new "
-                             f"tokens and {steps - 1} steps past them, as a row stops between chunks of steps_per_sync "
-                             f"steps) but static_cache_len is {engine.cache.capacity}.")
+    def past_end(engine) -> int:
+        """Steps a row may run past its request's end: the rest of its chunk and the chunk queued after it."""
+        return 2 * engine.decode.steps_per_sync
 
-    def _enter(self, part, rows, engine) -> dict:
-        """Prefill the alike requests `part` into `rows` through one `generate` call (prompts of several lengths
-        padded on the left); {row: request} for those that go on decoding. A call that fails for several requests is
-        retried for each alone, so that only a bad request fails."""
-        runner, model = engine.decode, self.model
-        try:
-            inputs = _joined([request.prompt for request in part], self.generation_config.pad_token_id)
-            for request in part:
-                self._check_capacity(inputs["input_ids"].shape[1], request.max_new_tokens, engine)
-            admission = model._admission = Admission(rows)
+    def _enter(self, entered: list, engine, scheduler) -> tuple:
+        """Prefill the admitted `entered` into their rows, draw their first tokens and set the rows decoding; returns
+        (the ones that went on, their first tokens on their way to the host). A group whose prefill fails is tried
+        again one by one, so that only a bad request fails."""
+        groups = {}
+        for sequence in sorted(entered, key=lambda sequence: sequence.prompt_len):
+            groups.setdefault(tuple(sorted(sequence.prompt)), []).append(sequence)
+        parts, capacity = [], engine.cache.capacity - self.past_end(engine)
+        for group in groups.values():  # shortest first: a part's padding stays within the budget and every row
+            part, most_new = [], 0
+            for sequence in group:
+                longest, new = sequence.prompt_len, max(most_new, sequence.max_new_tokens)
+                if part and (longest * (len(part) + 1) > self.max_prefill_tokens or longest + new > capacity):
+                    parts.append(part)
+                    part, new = [], sequence.max_new_tokens
+                part.append(sequence)
+                most_new = new
+            parts.append(part)
+        went_on, tokens = [], []
+        for part in parts:
             try:
-                config = copy.deepcopy(self.generation_config)
-                config.update(**{**part[0].settings, "max_new_tokens": max(request.max_new_tokens for request in part)})
-                model.generate(**inputs, generation_config=config)
-            finally:
-                model._admission = None
-            tokens = admission.tokens.tolist()  # waits for the prefill
-        except Exception as error:  # noqa: BLE001 - the requests' results name it; the others go on
-            for row in rows:
-                runner.release(row)
-            if len(part) == 1:
-                self._fail(part[0], error)
-                return {}
-            admitted = {}
-            for request, row in zip(part, rows):
-                admitted.update(self._enter([request], [row], engine))
-            return admitted
-        now, admitted = time.perf_counter(), {}
-        for request, row, token in zip(part, rows, tokens):
-            request.eos_ids, request.length = set(admission.plan["eos_ids"]), inputs["input_ids"].shape[1]
-            request.mode = admission.plan["mode"]
-            self.timings[request.output.request_id]["first_token"] = now
-            if self._append(request, token):
-                runner.release(row)
-            else:
-                admitted[row] = request
-        return admitted
+                tokens.append(self._prefill(part, engine))
+                went_on += part
+            except Exception as error:  # noqa: BLE001 - the requests' results name it; the others go on
+                if len(part) == 1:
+                    engine.decode.release(part[0].row)
+                    self._end(part[0], scheduler, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+                    continue
+                for sequence in part:
+                    try:
+                        tokens.append(self._prefill([sequence], engine))
+                        went_on.append(sequence)
+                    except Exception as alone:  # noqa: BLE001
+                        engine.decode.release(sequence.row)
+                        self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(alone).__name__}: {alone}")
+        if not went_on:
+            return [], None
+        tokens = torch.cat(tokens)
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            return went_on, (host, copied)
+        return went_on, (tokens, None)
 
-    def _fail(self, request, error) -> None:
-        request.output.status, request.output.error = RequestStatus.FAILED, f"{type(error).__name__}: {error}"
-        self.output_queue.put(request.output)
+    def _prefill(self, part: list, engine) -> torch.Tensor:
+        """One prefill of `part` (prompts of one kind, padded on the left) into their rows; their first tokens."""
+        model, runner, device = self.model, engine.decode, engine.device
+        prompts = [sequence.prompt for sequence in part]
+        inputs = _joined(prompts, self.generation_config.pad_token_id)
+        length = inputs["input_ids"].shape[1]
+        positions = torch.cat([F.pad(sequence.positions, (length - sequence.prompt_len, 0), value=1)
+                               for sequence in part], dim=1)
+        padded = any(sequence.prompt_len != length for sequence in part)
+        inputs = {key: _to(value, device) for key, value in inputs.items()}
+        inputs["position_ids"] = _to(positions, device)
+        rows = _to(torch.tensor([sequence.row for sequence in part]), device)
+        cache_rows = _to(torch.tensor([runner.cache_row_of[sequence.row] for sequence in part]), device)
+        logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded)
+        settings = {name: torch.tensor([sequence.sampling[name] for sequence in part])
+                    for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
+        runner.set_rows_sampling(rows, settings)
+        modes = {sequence.mode for sequence in part}
+        tokens = logits.argmax(dim=-1)
+        if modes != {"greedy"}:
+            mode = "sample_seeded" if "sample_seeded" in modes else "sample_top_k_seeded"
+            sampled = runner.sample(logits, rows, mode)
+            greedy = _to(torch.tensor([not sequence.do_sample for sequence in part]), device)
+            tokens = torch.where(greedy, tokens, sampled)
+        next_positions = _to(torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1), device)
+        runner.admit(rows, tokens, next_positions, inputs["attention_mask"])
+        for sequence in part:
+            sequence.length = length  # its left padding included
+            sequence.output.status = RequestStatus.DECODING
+        return tokens
 
-    def _append(self, request, token: int) -> bool:
-        """Record one generated token; True (the result handed out) when it ends the request."""
-        output = request.output
-        output.generated_tokens.append(token)
-        if token in request.eos_ids or len(output.generated_tokens) >= request.max_new_tokens:
-            output.status = RequestStatus.FINISHED
-            self.timings[output.request_id]["finished"] = time.perf_counter()
-            self.output_queue.put(output)
-            return True
-        return False
+    def _read(self, chunk: _Chunk, scheduler, runner) -> None:
+        """The host's half of a chunk: its first tokens and steps' tokens appended to their requests, which end by
+        their own rules (their rows free for the next admissions), streamed outputs delivered."""
+        touched = set()
+        if chunk.entered:
+            tokens, copied = chunk.first_tokens
+            if copied is not None:
+                copied.synchronize()
+            now = time.perf_counter()
+            for sequence, token in zip(chunk.entered, tokens.tolist()):
+                self.timings[sequence.request_id]["first_token"] = now
+                if not sequence.done:
+                    self._append(sequence, [token], scheduler, runner)
+                    touched.add(sequence)
+        if chunk.handle is not None:
+            tokens, _ = runner.collect(chunk.handle)
+            tokens = tokens.tolist()
+            for row, sequence in chunk.owners.items():
+                if not sequence.done:
+                    self._append(sequence, tokens[row], scheduler, runner)
+                    touched.add(sequence)
+        for sequence in touched:
+            if sequence.done:
+                continue
+            if sequence.cancelled:
+                runner.release(sequence.row)
+                self._end(sequence, scheduler, RequestStatus.FAILED, "cancelled")
+            elif sequence.streaming and len(sequence.output.generated_tokens) > sequence.delivered:
+                sequence.delivered = len(sequence.output.generated_tokens)
+                self._deliver(sequence, final=False)
+
+    def _append(self, sequence: Sequence, tokens: list, scheduler, runner) -> None:
+        """Record a request's new tokens up to its end; at its end, its result goes out and its row frees."""
+        generated = sequence.output.generated_tokens
+        for token in tokens:
+            generated.append(token)
+            if (token in sequence.eos_ids or len(generated) >= sequence.max_new_tokens
+                    or (sequence.stop_strings and self._stopped(sequence))):
+                runner.release(sequence.row)
+                self._end(sequence, scheduler, RequestStatus.FINISHED)
+                return
+
+    def _stopped(self, sequence: Sequence) -> bool:
+        """Whether the answer's text now ends in one of its stop strings (the tail decoded: a stop string spans at most
+        as many tokens as it has characters)."""
+        longest = max(len(stop) for stop in sequence.stop_strings)
+        tail = self.tokenizer.decode(sequence.output.generated_tokens[-longest - 1:])
+        return any(tail.endswith(stop) for stop in sequence.stop_strings)
 
 
-def _parts(requests, batch_sizes) -> list:
-    """`requests` in consecutive parts, each of the largest of `batch_sizes` that fits the rest (a rest smaller than
-    every size: one part). A prefill of a batch bucket's size has no padding rows, which would write other rows."""
-    parts, start = [], 0
-    while start < len(requests):
-        left = len(requests) - start
-        size = max((size for size in batch_sizes if size <= left), default=left)
-        parts.append(requests[start:start + size])
-        start += size
-    return parts
+def _to(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device` without waiting for the device's queued work (pinned first)."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _joined(prompts, pad_id) -> dict:
-    """One `generate` batch of single prompts' inputs (`PADDED_INPUTS` padded on the left to the longest,
+    """One prefill batch of single prompts' inputs (`PADDED_INPUTS` padded on the left to the longest,
     `JOINED_INPUTS` joined in row order)."""
     if len(prompts) == 1:
-        return prompts[0]
+        return dict(prompts[0])
     length = max(prompt["input_ids"].shape[1] for prompt in prompts)
     batch = {}
     for key, value in PADDED_INPUTS.items():
@@ -397,3 +640,19 @@ def _as_request(item) -> dict:
     if isinstance(item, dict) or hasattr(item, "keys"):
         return dict(item)
     return {"input_ids": item}
+
+
+def request_slots(inputs, default_new_tokens: int, past_end: int) -> int:
+    """Cache slots the longest of `inputs` (as `generate_batch` takes them, each with its max_new_tokens or
+    `default_new_tokens`) needs."""
+    longest = 0
+    for item in inputs:
+        request = _as_request(item)
+        ids = request["input_ids"]
+        length = len(ids) if isinstance(ids, (list, tuple)) else ids.shape[-1]
+        longest = max(longest, length + (request.get("max_new_tokens") or default_new_tokens))
+    return longest + past_end
+
+
+def round_up(value: int, multiple: int) -> int:
+    return multiple * math.ceil(value / multiple)

@@ -10,16 +10,19 @@ no host work at all; the host reads the chunk's tokens once per `steps_per_sync`
 
 Graphs are keyed by (batch bucket, KV-length bucket, mode) and share the model's one memory pool. Modes: "logits"
 returns float32 logits (for loops that post-process them on the host), "greedy", "sample" and "sample_top_k" (every
-row's top-k at most `TOP_K_CANDIDATES`: no sort of the whole vocabulary) pick the next token inside the graph.
+row's top-k at most `TOP_K_CANDIDATES`: no sort of the whole vocabulary) pick the next token inside the graph. The
+"_seeded" sampling modes (continuous batching) draw each row's noise from its own seed and draw count
+(`seeded_noise`) instead of torch's generator, so that a request's draws do not depend on the rows around it.
 """
 
 import torch
 
 from .decoder_qwen3vl_graph import decoder_layers
 from .loops_qwen3vl_graph import MAX_EOS_IDS, candidates
+from .ops_sample_qwen3vl_graph import seeded_noise
 from .runner_qwen3vl_graph import GraphRunner, bucket_of
 
-MODES = ("logits", "greedy", "sample", "sample_top_k")
+MODES = ("logits", "greedy", "sample", "sample_top_k", "sample_seeded", "sample_top_k_seeded")
 
 
 class DecodeRunner(GraphRunner):
@@ -52,6 +55,9 @@ class DecodeRunner(GraphRunner):
         self.temperature = torch.ones(rows, device=device)
         self.top_k = torch.full((rows,), vocab, dtype=torch.long, device=device)
         self.top_p = torch.full((rows,), float("inf"), device=device)
+        self.min_p = torch.zeros(rows, device=device)
+        self.seeds = zeros(rows)  # the "_seeded" modes' per-row noise: its seed, and the draws made so far
+        self.draws = zeros(rows)
         self.eos_ids = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=device)
         self.pad_id = zeros(())
         self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
@@ -79,20 +85,32 @@ class DecodeRunner(GraphRunner):
         if attention_mask is not None:
             self.attendable[:batch, :prompt_len] = attention_mask.bool()
 
-    def set_sampling(self, temperature: float, top_k: int | None, top_p: float | None, eos_ids, pad_id) -> None:
-        """Sampling parameters and EOS ids of the request (None disables top-k / top-p). Every row starts
+    def set_sampling(self, temperature: float, top_k: int | None, top_p: float | None, eos_ids, pad_id,
+                     min_p: float | None = None) -> None:
+        """Sampling parameters and EOS ids of the request (None disables top-k / top-p / min-p). Every row starts
         finished; the caller marks the real rows unfinished after its first token."""
-        self.set_row_sampling(slice(None), temperature, top_k, top_p)
+        self.set_row_sampling(slice(None), temperature, top_k, top_p, min_p)
         self.eos_ids.fill_(-1)
         self.eos_ids[: len(eos_ids)] = torch.tensor(eos_ids, dtype=torch.long)
         self.pad_id.fill_(0 if pad_id is None else int(pad_id))
         self.unfinished.fill_(False)
 
-    def set_row_sampling(self, rows, temperature: float, top_k: int | None, top_p: float | None) -> None:
-        """Sampling parameters of `rows` (an index or a slice; None disables top-k / top-p)."""
+    def set_row_sampling(self, rows, temperature: float, top_k: int | None, top_p: float | None,
+                         min_p: float | None = None) -> None:
+        """Sampling parameters of `rows` (an index or a slice; None disables top-k / top-p / min-p)."""
         self.temperature[rows] = temperature
         self.top_k[rows] = self.logits.shape[1] if top_k is None else top_k
         self.top_p[rows] = float("inf") if top_p is None else top_p
+        self.min_p[rows] = 0.0 if min_p is None else min_p
+
+    def set_rows_sampling(self, rows, settings) -> None:
+        """Per-row sampling parameters of `rows` (a `(b,)` tensor), each a host tensor `(b,)` of `settings`:
+        temperature, top_k, top_p, min_p, seed (continuous batching admits requests of their own settings)."""
+        device = self.temperature.device
+        for buffer, name in ((self.temperature, "temperature"), (self.top_k, "top_k"), (self.top_p, "top_p"),
+                             (self.min_p, "min_p"), (self.seeds, "seed")):
+            buffer[rows] = settings[name].to(device, buffer.dtype, non_blocking=True)
+        self.draws[rows] = 0
 
     # -- rows that start and stop on their own (continuous batching) ---------------------------------------
 
@@ -123,7 +141,7 @@ class DecodeRunner(GraphRunner):
         batching moves the rows in use to the front, so that a step covers them and few others."""
         index = torch.tensor(order, device=self.cache_rows.device)
         for buffer in (self.input_ids, self.cache_lens, self.cache_rows, self.attendable, self.unfinished,
-                       self.temperature, self.top_k, self.top_p):
+                       self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, self.draws):
             buffer.copy_(buffer.index_select(0, index))
         self.positions.copy_(self.positions.index_select(1, index))
         self.cache_row_of = [self.cache_row_of[row] for row in order]
@@ -185,10 +203,20 @@ class DecodeRunner(GraphRunner):
             return
         tokens = None  # greedy: the argmax, inside finish_step
         if mode != "greedy":
-            tokens = self.ops.sample(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
-                                     candidates(mode))
+            tokens = self.sample(logits, slice(0, rows), mode)
         self.ops.finish_step(logits, tokens, self.unfinished[:rows], self.pad_id, self.eos_ids, self.input_ids[:rows],
                              self.out_tokens[:rows], self.out_unfinished[:rows], self.chunk_step, cache_lens, positions)
+
+    def sample(self, logits, rows, mode: str) -> torch.Tensor:
+        """Tokens drawn from `logits` for `rows` (a slice or an index tensor) with their own parameters; a "_seeded"
+        mode draws from their seeds and advances their draw counts."""
+        noise = None
+        if mode.endswith("_seeded"):
+            count = candidates(mode) or logits.shape[1]
+            noise = seeded_noise(self.seeds[rows], self.draws[rows], min(count, logits.shape[1]))
+            self.draws[rows] += 1
+        return self.ops.sample(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], candidates(mode),
+                               self.min_p[rows], noise)
 
     def forward(self, rows: int, kv_len: int) -> torch.Tensor:
         """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row. (The step's end
@@ -209,7 +237,7 @@ class DecodeRunner(GraphRunner):
     # -- CUDA graphs ---------------------------------------------------------------------------------------
 
     def state(self) -> tuple:
-        return self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step
+        return self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step, self.draws
 
     def describe(self, key) -> str:
         rows, kv_len, mode = key

@@ -12,7 +12,12 @@ from collections import deque
 
 import torch
 from torch import nn
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 MAX_EOS_IDS = 8  # EOS ids the decode step checks in the graph
@@ -24,7 +29,7 @@ TOP_K_CANDIDATES = 64
 def device_plan(logits_processor, stopping_criteria, generation_config) -> dict | None:
     """What the device loop needs to reproduce these processors and criteria, or None when it cannot.
 
-    Covered: greedy, or sampling with temperature, top-k and top-p, each at most once and in that order (the
+    Covered: greedy, or sampling with temperature, top-k, top-p and min-p, each at most once and in that order (the
     sampler's, which is transformers' own when it builds them from the generation config), stopping on max length
     and up to MAX_EOS_IDS EOS ids. The mode: "greedy", "sample_top_k" (a top-k of at most TOP_K_CANDIDATES) or
     "sample". Anything else (other processors or orders, stop strings, custom criteria,
@@ -33,7 +38,7 @@ def device_plan(logits_processor, stopping_criteria, generation_config) -> dict 
     if generation_config.return_dict_in_generate and (generation_config.output_scores or generation_config.output_logits):
         return None
     plan = {"mode": "sample" if generation_config.do_sample else "greedy",
-            "temperature": 1.0, "top_k": None, "top_p": None, "eos_ids": [], "max_length": None}
+            "temperature": 1.0, "top_k": None, "top_p": None, "min_p": None, "eos_ids": [], "max_length": None}
     applied = -1  # the sampler's step of the last warper seen
     for processor in logits_processor:
         kind = type(processor)
@@ -43,6 +48,8 @@ def device_plan(logits_processor, stopping_criteria, generation_config) -> dict 
             step, name, value = 1, "top_k", int(processor.top_k)
         elif kind is TopPLogitsWarper and processor.filter_value == -float("inf") and processor.min_tokens_to_keep == 1:
             step, name, value = 2, "top_p", float(processor.top_p)
+        elif kind is MinPLogitsWarper and processor.filter_value == -float("inf") and processor.min_tokens_to_keep == 1:
+            step, name, value = 3, "min_p", float(processor.min_p)
         else:
             return None
         if step <= applied:
@@ -64,24 +71,24 @@ def device_plan(logits_processor, stopping_criteria, generation_config) -> dict 
     return plan
 
 
-def first_tokens(runner, logits, mode: str, rows: slice) -> torch.Tensor:
-    """The tokens after a prefill's `logits` for the runner's `rows`: the argmax, or drawn eagerly with the same
-    sampler and the rows' own parameters."""
+def first_tokens(runner, logits, mode: str, rows) -> torch.Tensor:
+    """The tokens after a prefill's `logits` for the runner's `rows` (a slice or an index tensor): the argmax, or
+    drawn eagerly with the same sampler and the rows' own parameters."""
     if mode == "greedy":
         return logits.argmax(dim=-1)
-    return runner.ops.sample(logits, runner.temperature[rows], runner.top_k[rows], runner.top_p[rows], candidates(mode))
+    return runner.sample(logits, rows, mode)
 
 
 def candidates(mode: str) -> int | None:
     """The sampler's candidates in a sampling `mode` (None: the whole vocabulary)."""
-    return TOP_K_CANDIDATES if mode == "sample_top_k" else None
+    return TOP_K_CANDIDATES if mode.startswith("sample_top_k") else None
 
 
 def device_loop(runner, input_ids, logits, plan, generation_config, streamer) -> torch.Tensor:
     """Sampling and EOS checks on the device, `steps_per_sync` steps per host read, one chunk queued ahead, from the
     prefill's `logits`; returns the sequences (prompt and new tokens) on the host."""
     pad_id = generation_config._pad_token_tensor
-    runner.set_sampling(plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"], pad_id)
+    runner.set_sampling(plan["temperature"], plan["top_k"], plan["top_p"], plan["eos_ids"], pad_id, plan["min_p"])
     batch = input_ids.shape[0]
     tokens = first_tokens(runner, logits, plan["mode"], slice(0, batch))
     unfinished = ~(tokens[:, None] == runner.eos_ids).any(dim=-1)  # the in-graph rule, on the first token

@@ -22,7 +22,16 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLModel
 from transformers.utils import logging
 
-from .batching_qwen3vl_graph import GraphBatchingManager
+from .batching_qwen3vl_graph import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_PREFILL_TOKENS,
+    GraphBatchingManager,
+    device_memory,
+    kv_bytes_per_slot,
+    request_slots,
+    round_up,
+    slots_from_memory,
+)
 from .cache_qwen3vl_graph import ASStaticCache
 from .compat_qwen3vl_graph import CACHE_KWARG, first_decode_positions, generate_output, media_features, prompt_positions
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
@@ -214,18 +223,76 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         self.config.use_cuda_graphs = enabled
         self.graph_engine().set_graphs(enabled)
 
-    def init_continuous_batching(self, generation_config=None, max_queue_size: int = 0) -> GraphBatchingManager:
+    def init_continuous_batching(
+        self, generation_config=None, max_queue_size: int = 0, *, max_batch_size: int | None = None,
+        static_cache_len: int | None = None, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, tokenizer=None, requests: int | None = None,
+    ) -> GraphBatchingManager:
         """A continuous-batching manager for this model (not started), as transformers' own: `start()`,
-        `add_request(input_ids, request_id, max_new_tokens, **settings_and_model_inputs)`, `get_result()`,
-        `stop()`. Requests take the static cache's rows as they free up, images and videos included
-        (batching_qwen3vl_graph.py)."""
-        return GraphBatchingManager(self, generation_config, max_queue_size)
+        `add_request(input_ids, request_id, max_new_tokens, streaming, **settings_and_model_inputs)`, `get_result()`,
+        `request_id_iter()`, `register_result_handler()`, `cancel_request()`, `stop()` (batching_qwen3vl_graph.py).
 
-    def generate_batch(self, inputs, generation_config=None, progress_bar: bool = True, **kwargs) -> dict:
+        Requests take the static cache's rows: `max_batch_size` of them (default: as many rows of `static_cache_len`
+        slots, default the config's, as fit in `gpu_memory_utilization` of the GPU's memory, at most 512 and at most
+        `requests` when given; on the CPU the config's). A size other than the config's rebuilds the cache (and its
+        graphs), which later `generate` calls use too; one log line says what was chosen and why. Waiting prompts
+        enter `max_prefill_tokens` at a time between chunks of decode steps. `tokenizer` decodes answers for requests
+        with `stop_strings`."""
+        self._size_cache(max_batch_size, static_cache_len, gpu_memory_utilization, max_prefill_tokens, requests)
+        return GraphBatchingManager(self, generation_config, max_queue_size, max_prefill_tokens, tokenizer)
+
+    def generate_batch(self, inputs, generation_config=None, progress_bar: bool = True, *,
+                       max_batch_size: int | None = None, static_cache_len: int | None = None,
+                       gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+                       max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, tokenizer=None, **kwargs) -> dict:
         """Generate for every one of `inputs` (token ids, or a dict of one prompt's processor outputs) by continuous
         batching; `kwargs` apply to each (e.g. `max_new_tokens`). Returns {request id: GenerationOutput} in input
-        order; a request that cannot run has status FAILED and an `error` naming why, and the others finish."""
-        return self.init_continuous_batching(generation_config).generate_all(inputs, progress_bar, **kwargs)
+        order; a request that cannot run has status FAILED and an `error` naming why, and the others finish. On a
+        GPU the cache is sized for these requests unless set (`init_continuous_batching`): rows of the slots the
+        longest of them needs, as many as fit in memory."""
+        inputs = list(inputs)
+        config = generation_config if generation_config is not None else self.generation_config
+        new_tokens = kwargs.get("max_new_tokens") or config.max_new_tokens
+        if static_cache_len is None and new_tokens and device_memory(self.device) is not None:
+            past_end = 2 * self.config.steps_per_sync
+            static_cache_len = round_up(request_slots(inputs, new_tokens, past_end), 64)
+        manager = self.init_continuous_batching(
+            generation_config, max_batch_size=max_batch_size, static_cache_len=static_cache_len,
+            gpu_memory_utilization=gpu_memory_utilization, max_prefill_tokens=max_prefill_tokens, tokenizer=tokenizer,
+            requests=len(inputs),
+        )
+        return manager.generate_all(inputs, progress_bar, **kwargs)
+
+    def _size_cache(self, rows, cache_len, gpu_memory_utilization, max_prefill_tokens, requests) -> None:
+        """The cache continuous batching runs on: `rows` x `cache_len` slots, each None for the default (rows: what
+        fits in memory on a GPU, else the config's; slots: the config's). Rebuilt when that differs from the config's."""
+        config = self.config
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        for name, value in (("max_batch_size", rows), ("static_cache_len", cache_len)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cache_len = cache_len or config.static_cache_len
+        with self._generate_lock:
+            if rows is None:
+                memory = device_memory(self.device)
+                if memory is None:
+                    rows = config.max_batch_size
+                else:
+                    engine = self._engine
+                    held = 0 if engine is None else engine.cache.rows * engine.cache.capacity
+                    slot_bytes = kv_bytes_per_slot(config, self.dtype)
+                    rows, why = slots_from_memory(*memory, held * slot_bytes, slot_bytes, cache_len,
+                                                  gpu_memory_utilization, max_prefill_tokens, requests)
+                    if rows < 1:
+                        raise ValueError(f"No cache row of {cache_len} slots fits: {why}. Lower static_cache_len or "
+                                         "raise gpu_memory_utilization.")
+                    logger.warning(f"Continuous batching on {rows} rows of {cache_len} slots: {why}.")
+            if (rows, cache_len) != (config.max_batch_size, config.static_cache_len):
+                config.max_batch_size, config.static_cache_len = rows, cache_len
+                self._engine = self.model.visual.runner = None  # the old cache and graphs go before the new ones
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
 
     def _static_loop_blocker(self, generation_config, model_kwargs, generation_mode) -> str | None:
         """Why this call must run transformers' own loop, or None when the static loop covers it."""
@@ -357,15 +424,17 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                                    tuple(raw_logits) if raw_logits else None, cache)
         return sequences
 
-    def _prefill_prompt(self, input_ids, model_kwargs, start: int, rows=None, stream=None):
+    def _prefill_prompt(self, input_ids, model_kwargs, start: int, rows=None, stream=None, padded: bool | None = None):
         """Vision tower and prefill of the prompt's tokens from slot `start` on (the cache holds the ones before) into
         the static cache's rows `rows` (a tensor; None: the first rows); returns the float32 logits of the last
         position and the new tokens' M-RoPE positions. `stream`: a CUDA stream to queue the tower and the prefill on,
-        after the host reads and what the current stream has queued (None: the current stream)."""
+        after the host reads and what the current stream has queued (None: the current stream). `padded`: whether the
+        attention mask has zeros, when the caller knows (else read back from it)."""
         new = input_ids[:, start:]
         # The host reads first: after the tower is queued on their stream they would wait for it.
         attention_mask = model_kwargs.get("attention_mask")
-        padded = attention_mask is not None and bool((attention_mask == 0).any())
+        if padded is None:
+            padded = attention_mask is not None and bool((attention_mask == 0).any())
         positions = prompt_positions(self, input_ids, model_kwargs, start)  # 4.57: on host copies
         queued_on = nullcontext()
         if stream is not None:

@@ -265,12 +265,14 @@ class TritonOps(TorchOps):
             return super().decode_rotary(rotary_emb, hidden, positions, components)
         return decode_rotary(rotary_emb, hidden, positions, components)
 
-    def sample(self, logits, temperature, top_k, top_p, candidates=None):
+    def sample(self, logits, temperature, top_k, top_p, candidates=None, min_p=None, noise=None):
         """`sample_tokens` in Triton launches: a top-k within `candidates` selected and drawn by them
         (`sample_candidates`); otherwise drawn by them after torch sorts the vocabulary (`sample_sorted`)."""
+        if min_p is None:
+            min_p = temperature.new_zeros(temperature.shape)
         if candidates is None:
-            return sample_sorted(logits, temperature, top_k, top_p)
-        return sample_candidates(logits, temperature, top_k, top_p, candidates)
+            return sample_sorted(logits, temperature, top_k, top_p, min_p, noise)
+        return sample_candidates(logits, temperature, top_k, top_p, min_p, candidates, noise)
 
     def finish_step(self, logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_tokens, out_unfinished,
                     chunk_step, cache_lens, positions):

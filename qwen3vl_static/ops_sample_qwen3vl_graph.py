@@ -9,16 +9,18 @@ import torch
 from .triton_qwen3vl_graph import launch, tl, triton
 
 
-def sample_tokens(logits, temperature, top_k, top_p, candidates: int | None = None):
-    """Tokens drawn from `logits` `(b, V)` (any float dtype) warped by `temperature`, `top_k`, `top_p` `(b,)`;
-    graph-safe.
+def sample_tokens(logits, temperature, top_k, top_p, candidates: int | None = None, min_p=None, noise=None):
+    """Tokens drawn from `logits` `(b, V)` (any float dtype) warped by `temperature`, `top_k`, `top_p` and `min_p`
+    `(b,)` (`min_p` None: none); graph-safe.
 
     Works in descending-sorted space: top-k masks ranks >= k, top-p masks a token once the probability mass
-    ranked strictly above it reaches `top_p`. The draw is argmax(p / Exp(1)) (an exact categorical sample that
-    needs no host sync, unlike torch.multinomial). The logits are ordered before the temperature divides them (a
-    positive temperature keeps the order), so only the selected ones are converted and divided. With `candidates`,
-    only the largest `candidates` logits are selected: exact when every row's top-k is at most that many (the ranks
-    past it are masked anyway).
+    ranked strictly above it reaches `top_p`, min-p masks a token whose probability is below `min_p` times the
+    largest (transformers' warpers, in that order). The draw is argmax(p / Exp(1)) (an exact categorical sample that
+    needs no host sync, unlike torch.multinomial); `noise`: those Exp(1) draws per sorted rank (`seeded_noise`), else
+    drawn from torch's generator. The logits are ordered before the temperature divides them (a positive temperature
+    keeps the order), so only the selected ones are converted and divided. With `candidates`, only the largest
+    `candidates` logits are selected: exact when every row's top-k is at most that many (the ranks past it are
+    masked anyway).
     """
     if candidates is None:
         selected, order = logits.sort(dim=-1, descending=True)
@@ -30,8 +32,34 @@ def sample_tokens(logits, temperature, top_k, top_p, candidates: int | None = No
     probs = sorted_scores.softmax(dim=-1)
     mass_above = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_above >= top_p[:, None], 0.0)
-    noise = torch.empty_like(probs).exponential_()
-    return order.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
+    if min_p is not None:  # relative to the largest probability: exp(score - largest score)
+        probs = probs.masked_fill((sorted_scores - sorted_scores[:, :1]).exp() < min_p[:, None], 0.0)
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_()
+    return order.gather(-1, (probs / noise[:, : probs.shape[-1]]).argmax(dim=-1, keepdim=True)).squeeze(-1)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding 32-bit values: the same integer ops as
+    `_noise_kernel`, so both give the same bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_noise(seeds, draws, count: int):
+    """Exp(1) noise `(b, count)` for the sampler's ranks from each row's own `seeds` and `draws` (how many draws the
+    row made before) `(b,)`, int64: a row's draws depend on its seed and its step only, never on the batch around it,
+    so a seeded request samples the same tokens alone or among others. A counter-based hash, graph-safe; the uniforms
+    have 24 bits (a rank's noise is at most 17.3)."""
+    ranks = torch.arange(count, device=seeds.device)
+    x = _mix32(_mix32(_mix32(seeds & _MASK32) ^ (draws & _MASK32))[:, None] ^ ranks[None, :])
+    return -torch.log(((x >> 8).float() + 0.5) * 2.0**-24)
 
 
 if triton is not None:
@@ -137,7 +165,7 @@ if triton is not None:
             equal += tl.sum(is_equal.to(tl.int32), axis=0)
 
     @triton.jit
-    def _select_and_draw_kernel(logits, chunk_max, counts, keys, temperature, top_k, top_p, noise, tokens, vocab,
+    def _select_and_draw_kernel(logits, chunk_max, counts, keys, temperature, top_k, top_p, min_p, noise, tokens, vocab,
                                 stride, chunks, CANDIDATES: tl.constexpr, CANDIDATES_PAD: tl.constexpr,
                                 CHUNKS_PAD: tl.constexpr, LIST: tl.constexpr, BLOCK: tl.constexpr):
         """One row: its CANDIDATES largest logits from its list (descending), then `sample_tokens`' math after the
@@ -160,7 +188,7 @@ if triton is not None:
         weights = tl.exp(scores - tl.max(scores, axis=0))  # rank 0 is always kept: a finite maximum
         probs = weights / tl.sum(weights, axis=0)
         mass_above = tl.cumsum(probs, axis=0) - probs
-        probs = tl.where(mass_above >= tl.load(top_p + row), 0.0, probs)
+        probs = tl.where((mass_above >= tl.load(top_p + row)) | (weights < tl.load(min_p + row)), 0.0, probs)
         drawn = probs / tl.load(noise + row * CANDIDATES + ranks, mask=live, other=1.0)
         rank = tl.argmax(drawn, axis=0)  # the first of equal maxima, as torch's argmax
         index = 0x7FFFFFFF - (tl.sum(tl.where(ranks == rank, best, 0), axis=0) & 0xFFFFFFFF)
@@ -184,10 +212,10 @@ if triton is not None:
         tl.store(sums + row * splits + split, tl.sum(tl.exp(scores - top), axis=0))
 
     @triton.jit
-    def _sorted_draw_kernel(selected, order, temperature, top_k, top_p, sums, noise, best, best_token, vocab, stride,
+    def _sorted_draw_kernel(selected, order, temperature, top_k, top_p, min_p, sums, noise, best, best_token, vocab, stride,
                             splits, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr):
         """Per (row, split): the split's probabilities, the mass ranked above each (the earlier splits' sums plus a
-        scan), top-p's mask and the draw; the split's largest p / noise and its token."""
+        scan), top-p's and min-p's masks and the draw; the split's largest p / noise and its token."""
         row, split = tl.program_id(0), tl.program_id(1)
         others = tl.arange(0, SPLITS_PAD)
         parts = tl.load(sums + row * splits + others, mask=others < splits, other=0.0)
@@ -198,46 +226,49 @@ if triton is not None:
         weights = tl.exp(scores - top)
         probs = weights / total
         mass_above = (tl.cumsum(weights, axis=0) + before) / total - probs
-        keep = (mass_above < tl.load(top_p + row)) & (ranks < vocab)
+        keep = (mass_above < tl.load(top_p + row)) & (weights >= tl.load(min_p + row)) & (ranks < vocab)
         drawn = tl.where(keep, probs / tl.load(noise + row * vocab + ranks, mask=keep, other=1.0), -1.0)
         tl.store(best + row * splits + split, tl.max(drawn, axis=0))
         rank = split * SPLIT + tl.argmax(drawn, axis=0)
         tl.store(best_token + row * splits + split, tl.load(order + row * stride + rank, mask=rank < vocab, other=0))
 
 
-def sample_sorted(logits, temperature, top_k, top_p, split: int = 4096):
+def sample_sorted(logits, temperature, top_k, top_p, min_p, noise=None, split: int = 4096):
     """`sample_tokens` over the whole sorted vocabulary: the sort by torch, then two launches over splits of `split`
-    ranks per row (the softmax's sums, then top-p and the draw) instead of a dozen passes over the vocabulary. The
-    noise is drawn as the reference draws it."""
+    ranks per row (the softmax's sums, then top-p, min-p and the draw) instead of a dozen passes over the vocabulary.
+    `noise` as the reference takes it, or drawn as the reference draws it."""
     rows, vocab = logits.shape
     selected, order = logits.sort(dim=-1, descending=True)
-    noise = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device).exponential_()
+    if noise is None:
+        noise = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device).exponential_()
     splits = triton.cdiv(vocab, split)
     sums = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     best, best_token = torch.empty_like(sums), torch.empty(rows, splits, dtype=torch.long, device=logits.device)
     launch(_sorted_sums_kernel, (rows, splits), selected, temperature, top_k, sums, vocab, selected.stride(0), splits,
            SPLIT=split)
-    launch(_sorted_draw_kernel, (rows, splits), selected, order, temperature, top_k, top_p, sums, noise, best,
+    launch(_sorted_draw_kernel, (rows, splits), selected, order, temperature, top_k, top_p, min_p, sums, noise, best,
            best_token, vocab, selected.stride(0), splits, SPLIT=split, SPLITS_PAD=triton.next_power_of_2(splits))
     # The first of equal maxima, as the reference. Indexing by an argmax stays in bounds even while compiling ahead
     # (launches skipped, buffers unwritten), when a rank read back from a buffer would not.
     return best_token.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
 
 
-def sample_candidates(logits, temperature, top_k, top_p, candidates: int, chunk: int = 2048, listed: int = 512):
+def sample_candidates(logits, temperature, top_k, top_p, min_p, candidates: int, noise=None, chunk: int = 2048,
+                      listed: int = 512):
     """`sample_tokens` with `candidates`, in three launches: the largest logit of each chunk (`chunk` token ids, a
     power of two of at least 16, interleaved in runs of 16); per chunk, its logits that reach the `candidates`-th
     largest of those maxima, appended to the row's list (at least `candidates` logits reach it, so the largest all
     do); per row, the `candidates` largest keys of its list (logit, then the lower token id), then the draw. A list
     past `listed` keys (a power of two, at least `candidates`; many logits at that threshold) is made again exactly
     by the last launch, slowly (bisecting the row's values, one pass a step: about 1.4 ms for the 2B's vocabulary on
-    an H200). The noise is drawn as the reference draws it (same shape, dtype
-    and point in the stream), so a seed gives the same draws."""
+    an H200). `noise` as the reference takes it, or drawn as the reference draws it (same shape, dtype and point in
+    the stream), so a seed gives the same draws."""
     rows, vocab = logits.shape
     candidates = min(candidates, vocab)
     chunks = triton.cdiv(vocab, chunk)
     chunks_pad = triton.next_power_of_2(max(chunks, candidates, 32))
-    noise = torch.empty(rows, candidates, dtype=torch.float32, device=logits.device).exponential_()
+    if noise is None:
+        noise = torch.empty(rows, candidates, dtype=torch.float32, device=logits.device).exponential_()
     chunk_max = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     counts = torch.empty(rows, dtype=torch.int32, device=logits.device)
     keys = torch.empty(rows, listed, dtype=torch.int64, device=logits.device)
@@ -245,7 +276,8 @@ def sample_candidates(logits, temperature, top_k, top_p, candidates: int, chunk:
     launch(_chunk_max_kernel, (rows, chunks), logits, chunk_max, counts, vocab, logits.stride(0), chunks, CHUNK=chunk)
     launch(_collect_kernel, (rows, chunks), logits, chunk_max, counts, keys, vocab, logits.stride(0), chunks,
            CANDIDATES=candidates, CHUNK=chunk, CHUNKS_PAD=chunks_pad, LIST=listed)
-    launch(_select_and_draw_kernel, (rows,), logits, chunk_max, counts, keys, temperature, top_k, top_p, noise, tokens,
+    launch(_select_and_draw_kernel, (rows,), logits, chunk_max, counts, keys, temperature, top_k, top_p, min_p, noise,
+           tokens,
            vocab, logits.stride(0), chunks, CANDIDATES=candidates, CANDIDATES_PAD=triton.next_power_of_2(candidates),
            CHUNKS_PAD=chunks_pad, LIST=listed, BLOCK=1024)
     return tokens

@@ -1,15 +1,21 @@
-"""Continuous batching (`generate_batch`, `init_continuous_batching`): each request's output equals `generate` on that
-request alone (fp32, token for token), with more requests than cache rows, images among them, requests entering
-together, and rows finishing at different steps; a bad request fails alone; the model stays usable for `generate`
-afterwards."""
+"""Continuous batching (`generate_batch`, `init_continuous_batching`): each greedy request's output equals `generate` on
+that request alone (fp32, token for token), with more requests than cache rows, images and text admitted together
+under a prefill token budget while running rows keep decoding, and rows finishing at different steps; every setting
+per request (a seeded sampled request draws the same tokens alone or among others); streaming, cancelling, stop
+strings; a bad request fails alone; cache rows sized from (fake) GPU memory; the model stays usable afterwards."""
 
 import pytest
 import torch
 from conftest import bucketed_pair, build, chat, image, new_pair
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+import qwen3vl_static.modeling_qwen3vl_graph as modeling
+from qwen3vl_static.batching_qwen3vl_graph import kv_bytes_per_slot, slots_from_memory
+from qwen3vl_static.presets import tiny_tokenizer
+
 CASES = [([[chat("image", "What is it?")]], {"images": [image(64, 64)]}), ([[chat("Hi")]], {}),
          ([[chat("image", "Describe it.")]], {"images": [image(96, 64)]}), ([[chat("Tell me more about it")]], {})]
+TEXT = CASES[1]
 
 
 def requests_and_expected(stock, count, eos_token_id=None, lengths=None, cases=CASES):
@@ -25,21 +31,26 @@ def requests_and_expected(stock, count, eos_token_id=None, lengths=None, cases=C
     return requests, expected
 
 
+def record_work(model):
+    """Wrap the model's prefill and its decode runner's chunks: a list of ("prefill", rows) / ("decode", rows)."""
+    events, runner = [], model.graph_engine().decode
+    prefill, issue = model._prefill_prompt, runner.issue
+    model._prefill_prompt = lambda input_ids, *args, **kwargs: (
+        events.append(("prefill", input_ids.shape[0])) or prefill(input_ids, *args, **kwargs))
+    runner.issue = lambda *args: events.append(("decode", runner.batch_size)) or issue(*args)
+    return events
+
+
 @pytest.mark.parametrize("pair", [new_pair, bucketed_pair], ids=["exact", "bucketed"])
 def test_each_request_generates_as_alone(pair):
     ours, stock = pair()  # 4 cache rows for 7 requests: rows are taken again as they free up
     requests, expected = requests_and_expected(stock, 7)
-    calls, stepped = [], []  # rows of each `generate` call that admits requests; rows of each chunk of steps
-    generate, runner = ours.generate, ours.graph_engine().decode
-    ours.generate = lambda **inputs: calls.append(inputs["input_ids"].shape[0]) or generate(**inputs)
-    issue = runner.issue
-    runner.issue = lambda *args: stepped.append(runner.batch_size) or issue(*args)
+    events = record_work(ours)
     results = ours.generate_batch(requests, progress_bar=False)
-    del ours.generate, runner.issue
-    # The first 4 requests arrive together: the 2 image and the 2 text prompts (each pair of two lengths, padded on
-    # the left) enter in one call per pair. The rows in use move to the front: the last request steps alone.
-    assert calls[:2] == [2, 2] and sum(calls) == 7
-    assert stepped[0] == 4 and stepped[-1] == 1
+    # The first 4 requests enter together: the 2 text and the 2 image prompts (each pair of two lengths, padded on
+    # the left) in one prefill per kind. The rows in use move to the front: the last request steps alone.
+    assert events[:3] == [("prefill", 2), ("prefill", 2), ("decode", 4)]
+    assert sum(rows for kind, rows in events if kind == "prefill") == 7 and events[-1] == ("decode", 1)
     assert list(results) == [f"req_{index}" for index in range(7)]
     for result, tokens, request in zip(results.values(), expected, requests):
         assert result.status == RequestStatus.FINISHED and result.error is None
@@ -51,25 +62,28 @@ def test_each_request_generates_as_alone(pair):
         **inputs, max_new_tokens=6, do_sample=False).tolist()
 
 
-def test_free_rows_gather_while_requests_wait():
-    """With more requests waiting than rows free, rows enter an eighth of the rows at a time (here 2 of 16), not one
-    by one as they free up (every step frees one here); each request still generates as alone."""
-    ours, stock = new_pair(max_batch_size=16, steps_per_sync=1)
-    texts = [case for case in CASES if not case[1]]  # one group: text prompts of two lengths
-    requests, expected = requests_and_expected(stock, 24, lengths=[2 + index % 16 for index in range(24)], cases=texts)
-    calls = []
-    generate = ours.generate
-    ours.generate = lambda **inputs: calls.append(inputs["input_ids"].shape[0]) or generate(**inputs)
-    results = ours.generate_batch(requests, progress_bar=False)
-    del ours.generate
+def test_admissions_keep_to_the_token_budget_between_decode_chunks():
+    """With a prefill budget of two prompts, 12 waiting text requests enter two per turn, and every turn after the
+    first also steps the rows already running: admissions never hold decoding up for more than one budget."""
+    ours, stock = new_pair(max_batch_size=16, steps_per_sync=2)
+    requests, expected = requests_and_expected(stock, 12, lengths=[6 + index % 5 for index in range(12)], cases=[TEXT])
+    length = requests[0]["input_ids"].shape[1]
+    events = record_work(ours)
+    manager = ours.init_continuous_batching(max_prefill_tokens=2 * length)
+    results = manager.generate_all(requests, progress_bar=False)
     assert [result.generated_tokens for result in results.values()] == expected
-    assert calls[0] == 16 and sum(calls) == 24 and min(calls[:-1]) >= 2
+    prefills = [rows for kind, rows in events if kind == "prefill"]
+    assert prefills == [2] * 6
+    turns = [index for index, event in enumerate(events) if event[0] == "prefill"]
+    assert all(events[index + 1][0] == "decode" for index in turns)  # each admission is followed by a chunk
+    decoded = [rows for kind, rows in events[: turns[-1] + 2] if kind == "decode"]
+    assert len(decoded) == 6 and decoded[:4] == [2, 4, 6, 8]  # running rows step on while the others enter
 
 
 def test_rows_stop_at_their_own_eos():
     ours, stock = new_pair()
     # An EOS id that the greedy answers reach early: the stock output ends with it.
-    probe = stock.generate(**build(CASES[1]), max_new_tokens=8, do_sample=False)[0]
+    probe = stock.generate(**build(TEXT), max_new_tokens=8, do_sample=False)[0]
     eos = int(probe[-5])
     requests, expected = requests_and_expected(stock, 5, eos_token_id=eos)
     results = ours.generate_batch(requests, progress_bar=False, eos_token_id=eos, do_sample=False)  # as the batch
@@ -83,40 +97,143 @@ def test_a_bad_request_fails_alone():
     requests, expected = requests_and_expected(stock, 3)
     broken = dict(requests[0])
     broken["image_grid_thw"] = broken["image_grid_thw"] * 2  # features and placeholders no longer match
-    too_long = {**requests[1], "max_new_tokens": 1000}
-    results = ours.generate_batch([broken, requests[1], too_long, requests[2]], progress_bar=False)
-    statuses = [result.status for result in results.values()]
-    assert statuses == [RequestStatus.FAILED, RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.FINISHED]
-    assert "image_grid_thw" in results["req_0"].error and "static_cache_len" in results["req_2"].error
-    assert [results["req_1"].generated_tokens, results["req_3"].generated_tokens] == expected[1:]
+    bad = [broken, {**requests[1], "max_new_tokens": 1000}, {**requests[1], "max_new_tokens": "ten"},
+           {**requests[1], "max_new_tokens": -3}, {**requests[1], "top_p": 2.0}, {**requests[1], "unknown": 1},
+           {**requests[1], "repetition_penalty": 1.2}, {"input_ids": [[1.5, 2.0]]},
+           {"input_ids": torch.tensor([[10**9]])}]
+    results = ours.generate_batch([*bad, requests[1], requests[2]], progress_bar=False)
+    outputs = list(results.values())
+    assert [result.status for result in outputs] == [RequestStatus.FAILED] * len(bad) + [RequestStatus.FINISHED] * 2
+    errors = [result.error for result in outputs[: len(bad)]]
+    for error, named in zip(errors, ["image_grid_thw", "static_cache_len", "max_new_tokens='ten'", "max_new_tokens=-3",
+                                     "top_p=2.0", "unknown", "repetition_penalty", "input_ids", "vocabulary"]):
+        assert named in error
+    assert "1000" in errors[1] and "a row holds 160" in errors[1]  # the request's length and the limit
+    assert [outputs[-2].generated_tokens, outputs[-1].generated_tokens] == expected[1:]
 
 
-def test_manager_streams_results_as_requests_arrive():
+def test_every_setting_per_request():
+    """Greedy and sampled requests in one batch: the greedy ones as `generate` alone; a seeded sampled one draws the
+    same tokens alone or among others and other tokens with another seed; top-k 1 and min-p 1 keep only the argmax;
+    sampling settings without `do_sample` sample (on a greedy config), temperature 0 does not."""
     ours, stock = new_pair()
-    requests, expected = requests_and_expected(stock, 3)
+    inputs = build(TEXT)
+    greedy = stock.generate(**inputs, max_new_tokens=8, do_sample=False)[0, -8:].tolist()
+    sampled = {**inputs, "max_new_tokens": 8, "temperature": 1.5, "seed": 11}
+    batch = [sampled, {**inputs, "max_new_tokens": 8}, {**inputs, "max_new_tokens": 8, "top_k": 1, "seed": 3},
+             {**inputs, "max_new_tokens": 8, "min_p": 1.0}, {**inputs, "max_new_tokens": 8, "temperature": 0},
+             {**build(CASES[0]), "max_new_tokens": 8, "top_p": 0.9, "top_k": 5, "seed": 5},
+             {**inputs, "max_new_tokens": 8, "temperature": 1.5, "seed": 12}]
+    results = [result.generated_tokens for result in ours.generate_batch(batch, progress_bar=False).values()]
+    alone = ours.generate_batch([sampled], progress_bar=False)["req_0"].generated_tokens
+    assert results[0] == alone and results[0] != greedy and results[6] != results[0]
+    assert results[1] == results[2] == results[3] == results[4] == greedy
+    assert len(results[5]) == 8
+
+
+def test_stop_strings_end_a_request_where_its_text_ends_in_one():
+    ours, stock = new_pair()
+    tokenizer = tiny_tokenizer()
+    inputs = build(TEXT)
+    greedy = stock.generate(**inputs, max_new_tokens=10, do_sample=False)[0, -10:].tolist()
+    stop = tokenizer.decode(greedy[:4])[-3:]  # the text's end after the 4th token
+    cut = next(count for count in range(1, 11) if tokenizer.decode(greedy[:count]).endswith(stop))
+    manager = ours.init_continuous_batching(tokenizer=tokenizer)
+    results = manager.generate_all([{**inputs, "max_new_tokens": 10, "stop_strings": [stop]},
+                                    {**inputs, "max_new_tokens": 10}], progress_bar=False)
+    stopped, full = results.values()
+    assert stopped.generated_tokens == greedy[:cut] and full.generated_tokens == greedy
+    refused = ours.generate_batch([{**inputs, "stop_strings": "x"}], progress_bar=False)["req_0"]
+    assert refused.status == RequestStatus.FAILED and "tokenizer" in refused.error
+
+
+def test_streaming_delivers_tokens_as_they_are_drawn_and_cancel_frees_the_row():
+    ours, stock = new_pair(max_batch_size=2, steps_per_sync=2)
+    inputs = build(TEXT)
+    expected = stock.generate(**inputs, max_new_tokens=9, do_sample=False)[0, -9:].tolist()
     manager = ours.init_continuous_batching()
+    handled = []
     manager.start()
     try:
-        first = manager.add_request(**requests[0], request_id="first")
-        assert manager.get_result(first, timeout=60).generated_tokens == expected[0]
-        ids = [manager.add_request(**request) for request in requests[1:]]
-        results = {manager.get_result(timeout=60).request_id for _ in ids}
-        assert results == set(ids)
-        times = [manager.timings[request_id] for request_id in (first, *ids)]
-        assert all(time["added"] <= time["first_token"] <= time["finished"] for time in times)
+        streamed = manager.add_request(**inputs, max_new_tokens=9, streaming=True)
+        outputs = list(manager.request_id_iter(streamed))
+        assert len(outputs) >= 4  # the first token, then a chunk of two at a time
+        for before, after in zip(outputs, outputs[1:]):
+            assert after.generated_tokens[: len(before.generated_tokens)] == before.generated_tokens
+            assert len(after.generated_tokens) > len(before.generated_tokens)
+        assert outputs[-1].status == RequestStatus.FINISHED and outputs[-1].generated_tokens == expected
+        assert all(output.status == RequestStatus.DECODING for output in outputs[:-1])
+        # A long request cancelled after its first tokens: it ends as cancelled and its row serves the next ones.
+        long = manager.add_request(**inputs, max_new_tokens=100, streaming=True)
+        first = next(iter(manager.request_id_iter(long)))
+        manager.cancel_request(long)
+        last = list(manager.request_id_iter(long))[-1]
+        assert last.status == RequestStatus.FAILED and last.error == "cancelled"
+        assert len(first.generated_tokens) <= len(last.generated_tokens) < 100
+        handler_id = "handled"
+        manager.register_result_handler(handler_id, handled.append)
+        manager.add_request(**inputs, max_new_tokens=9, request_id=handler_id)
+        after = [manager.add_request(**inputs, max_new_tokens=9) for _ in range(3)]
+        assert [manager.get_result(request_id, timeout=60).generated_tokens for request_id in after] == [expected] * 3
     finally:
         manager.stop()
-    assert not manager.is_running()
+    assert [output.generated_tokens for output in handled] == [expected]
 
 
-def test_sampled_requests_take_their_own_settings():
+def test_a_fatal_error_reaches_every_waiting_caller():
     ours, _ = new_pair()
-    ours.generation_config.do_sample = True
-    inputs = build(CASES[1])
-    torch.manual_seed(0)
-    results = ours.generate_batch([{**inputs, "max_new_tokens": 6, "top_k": 1}, {**inputs, "max_new_tokens": 6},
-                                   {**inputs, "max_new_tokens": 6, "do_sample": False}], progress_bar=False)
-    top_1, sampled, greedy = results.values()
-    assert top_1.generated_tokens == ours.generate(**inputs, max_new_tokens=6, do_sample=False)[0, -6:].tolist()
-    assert sampled.status == RequestStatus.FINISHED and len(sampled.generated_tokens) == 6
-    assert greedy.status == RequestStatus.FAILED and "do_sample" in greedy.error
+    runner = ours.graph_engine().decode
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    runner.issue = broken
+    manager = ours.init_continuous_batching()
+    manager.start()
+    streamed = manager.add_request(**build(TEXT), max_new_tokens=4, streaming=True)
+    other = manager.add_request(**build(TEXT), max_new_tokens=4)
+    outputs = list(manager.request_id_iter(streamed))
+    assert outputs[-1].status == RequestStatus.FAILED and "device lost" in outputs[-1].error
+    with pytest.raises(RuntimeError, match="stopped on an error"):
+        manager.get_result(other, timeout=5)
+    manager.stop()
+    del runner.issue
+    assert ours.generate_batch([{**build(TEXT), "max_new_tokens": 3}], progress_bar=False)["req_0"].error is None
+
+
+def test_cache_rows_sized_from_memory(monkeypatch, caplog):
+    """On a (fake) GPU memory figure the batch takes as many rows as fit in `gpu_memory_utilization` of it, less what
+    is in use and the prefill reserve, at most the requests; the cache is rebuilt at that size; a request too long
+    for its rows fails alone, naming its length and the limit."""
+    ours, stock = new_pair()
+    slot = kv_bytes_per_slot(ours.config, torch.float32)
+    gib = 2**30
+    rows, why = slots_from_memory(free=30 * gib, total=40 * gib, held=0, slot_bytes=slot, cache_len=1000,
+                                  gpu_memory_utilization=0.5, max_prefill_tokens=1024)
+    reserve = 1024 * 64 * 1024 + gib
+    assert rows == min(512, (20 * gib - 10 * gib - reserve) // (slot * 1000)) and "gpu_memory_utilization=0.5" in why
+    assert slots_from_memory(30 * gib, 40 * gib, 0, slot, 1000, 0.5, 1024, requests=3)[0] == 3
+    budget = 6 * slot * 96 + 8192 * 64 * 1024 + gib  # six rows of 96 slots, and the default prefill's reserve
+    monkeypatch.setattr(modeling, "device_memory", lambda device: (budget, budget))
+    with caplog.at_level("WARNING"):
+        manager = ours.init_continuous_batching(static_cache_len=96, gpu_memory_utilization=1.0)
+    assert (ours.config.max_batch_size, ours.config.static_cache_len) == (6, 96)
+    assert ours.graph_engine().cache.rows == 6 and "6 rows of 96 slots" in caplog.text
+    requests, expected = requests_and_expected(stock, 3, cases=[TEXT])
+    results = manager.generate_all([*requests, {**requests[0], "max_new_tokens": 90}], progress_bar=False)
+    outputs = list(results.values())
+    assert [output.generated_tokens for output in outputs[:3]] == expected
+    assert outputs[3].status == RequestStatus.FAILED and "a row holds 96" in outputs[3].error
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        ours.init_continuous_batching(gpu_memory_utilization=0)
+
+
+def test_max_new_tokens_defaults_to_the_room_the_row_leaves():
+    """Qwen's own generation config sets no length: a request without max_new_tokens runs until its row is full
+    (as a server does), not into a TypeError."""
+    ours, stock = new_pair()
+    ours.generation_config.max_new_tokens = ours.generation_config.max_length = None
+    result = ours.generate_batch([build(TEXT)], progress_bar=False, eos_token_id=None)["req_0"]
+    length = len(result.prompt_ids)
+    assert result.status == RequestStatus.FINISHED
+    assert len(result.generated_tokens) == 160 - length - 2 * ours.config.steps_per_sync

@@ -6,7 +6,7 @@ import pytest
 import torch
 from ops_checks import DEVICE, DTYPES, needs_triton, randn
 
-from qwen3vl_static.ops_sample_qwen3vl_graph import sample_candidates, sample_sorted, sample_tokens
+from qwen3vl_static.ops_sample_qwen3vl_graph import sample_candidates, sample_sorted, sample_tokens, seeded_noise
 
 pytestmark = needs_triton
 
@@ -30,10 +30,12 @@ def test_sample_from_candidates_draws_the_reference_tokens(dtype, chunk, listed)
     top_k = torch.randint(1, candidates + 1, (rows,), generator=generator).to(DEVICE)
     top_p = torch.rand(rows, generator=generator).to(DEVICE)
     top_p[::4] = float("inf")  # no top-p on a quarter of the rows, as the runner stores it
+    min_p = torch.zeros(rows, device=DEVICE)
+    min_p[1::3] = 0.2  # min-p on a third of the rows
     torch.manual_seed(1)
-    expected = sample_tokens(lowest_id_first(logits), temperature, top_k, top_p, candidates)
+    expected = sample_tokens(lowest_id_first(logits), temperature, top_k, top_p, candidates, min_p)
     torch.manual_seed(1)
-    got = sample_candidates(logits, temperature, top_k, top_p, candidates, chunk=chunk, listed=listed)
+    got = sample_candidates(logits, temperature, top_k, top_p, min_p, candidates, chunk=chunk, listed=listed)
     # Only a float32 rounding of the top-p boundary or of a near-tied draw may part them.
     assert (got == expected).float().mean() >= 15 / 16
     ranks = (logits > logits.gather(1, got[:, None])).sum(dim=1)  # how many logits beat each drawn token
@@ -53,7 +55,8 @@ def test_candidates_tied_at_the_edge_are_the_lowest_token_ids(listed):
     torch.manual_seed(1)
     expected = sample_tokens(lowest_id_first(logits), temperature, top_k, top_p, candidates)
     torch.manual_seed(1)
-    got = sample_candidates(logits, temperature, top_k, top_p, candidates, chunk=16, listed=listed)
+    got = sample_candidates(logits, temperature, top_k, top_p, torch.zeros_like(temperature), candidates, chunk=16,
+                            listed=listed)
     assert torch.equal(got, expected)
 
 
@@ -71,10 +74,12 @@ def test_sample_over_the_sorted_vocabulary_draws_the_reference_tokens(dtype, spl
     top_k = top_k.to(DEVICE)
     top_p = torch.rand(rows, generator=generator).to(DEVICE)
     top_p[::4] = float("inf")
+    min_p = torch.zeros(rows, device=DEVICE)
+    min_p[1::3] = 0.05
     torch.manual_seed(1)
-    expected = sample_tokens(logits, temperature, top_k, top_p)
+    expected = sample_tokens(logits, temperature, top_k, top_p, min_p=min_p)
     torch.manual_seed(1)
-    got = sample_sorted(logits, temperature, top_k, top_p, split)
+    got = sample_sorted(logits, temperature, top_k, top_p, min_p, split=split)
     assert (got == expected).float().mean() >= 0.99
     ranks = (logits > logits.gather(1, got[:, None])).sum(dim=1)
     assert bool((ranks < top_k).all())
@@ -94,10 +99,49 @@ def test_sampling_stays_in_bounds_while_its_launches_only_compile(monkeypatch):
     rows, vocab = 4, 300
     logits = randn(rows, vocab, dtype=DTYPES[0])
     settings = (torch.ones(rows, device=DEVICE), torch.full((rows,), vocab, device=DEVICE),
-                torch.full((rows,), 0.9, device=DEVICE))
+                torch.full((rows,), 0.9, device=DEVICE), torch.zeros(rows, device=DEVICE))
     monkeypatch.setattr(sampler, "launch", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch, "empty", unwritten)
     monkeypatch.setattr(torch, "empty_like", lambda tensor: unwritten(tensor.shape, dtype=tensor.dtype,
                                                                       device=tensor.device))
     tokens = sample_sorted(logits, *settings, split=64)
     assert tokens.shape == (rows,)
+
+
+def test_min_p_keeps_the_tokens_within_its_share_of_the_largest_probability():
+    """min-p as transformers' `MinPLogitsWarper` after temperature: a token stays only while its probability is at least
+    `min_p` times the largest; here the logits 0, -1, -3 (ratios 1, 0.37, 0.05) under min_p 0.1 keep the first two."""
+    logits = torch.tensor([[0.0, -1.0, -3.0]], device=DEVICE).expand(4000, -1)
+    rows = logits.shape[0]
+    settings = (torch.ones(rows, device=DEVICE), torch.full((rows,), 3, device=DEVICE),
+                torch.full((rows,), float("inf"), device=DEVICE), None, torch.full((rows,), 0.1, device=DEVICE))
+    counts = sample_tokens(logits, *settings).bincount(minlength=3).tolist()
+    assert counts[2] == 0 and counts[0] > counts[1] > 500
+
+
+def test_seeded_noise_depends_on_the_row_s_seed_and_draw_only():
+    """The noise of a row is a function of its seed and its draw count: the same in any batch, different from draw to
+    draw and from seed to seed, and Exp(1)-distributed."""
+    seeds, draws = torch.tensor([7, 7, 8, 7]), torch.tensor([0, 1, 0, 0])
+    noise = seeded_noise(seeds, draws, 5000)
+    assert torch.equal(noise[0], noise[3]) and torch.equal(noise[0], seeded_noise(seeds[:1], draws[:1], 5000)[0])
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert abs(noise.mean().item() - 1) < 0.03 and abs(noise.var().item() - 1) < 0.08
+    assert bool((noise > 0).all())
+
+
+def test_seeded_draws_agree_between_the_reference_and_the_kernels():
+    rows, vocab, candidates = 8, 600, 16
+    logits = 3 * randn(rows, vocab, dtype=DTYPES[0])
+    temperature, top_p, min_p = (torch.ones(rows, device=DEVICE), torch.full((rows,), 0.95, device=DEVICE),
+                                 torch.zeros(rows, device=DEVICE))
+    top_k = torch.full((rows,), candidates, device=DEVICE)
+    seeds, draws = torch.arange(rows, device=DEVICE), torch.zeros(rows, dtype=torch.long, device=DEVICE)
+    noise = seeded_noise(seeds, draws, candidates)
+    expected = sample_tokens(lowest_id_first(logits), temperature, top_k, top_p, candidates, min_p, noise)
+    got = sample_candidates(logits, temperature, top_k, top_p, min_p, candidates, noise, chunk=64, listed=64)
+    assert torch.equal(got, expected)
+    full = seeded_noise(seeds, draws, vocab)
+    top_k = torch.full((rows,), vocab, device=DEVICE)
+    assert torch.equal(sample_sorted(logits, temperature, top_k, top_p, min_p, full, split=64),
+                       sample_tokens(logits, temperature, top_k, top_p, None, min_p, full))
