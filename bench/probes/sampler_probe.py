@@ -30,23 +30,25 @@ def measure(rows, logits, temperature, top_k, top_p) -> dict:
     t = torch.full((rows,), temperature, device="cuda")
     k = torch.full((rows,), top_k, dtype=torch.long, device="cuda")
     p = torch.full((rows,), top_p, device="cuda")
+    m = torch.zeros(rows, device="cuda")  # min-p 0: none (the Triton forms take it as a tensor)
     count = TOP_K_CANDIDATES if top_k <= TOP_K_CANDIDATES else None
     forms = {
         "reference": lambda: sample_tokens(logits, t, k, p, count),
         "reference_float32_scores": lambda: sample_tokens(logits.float(), t, k, p, count),
-        "triton": (lambda: sample_candidates(logits, t, k, p, count)) if count else
-                  (lambda: sample_sorted(logits, t, k, p)),
+        "triton": (lambda: sample_candidates(logits, t, k, p, m, count)) if count else
+                  (lambda: sample_sorted(logits, t, k, p, m)),
         "argmax": lambda: logits.argmax(dim=-1),  # what greedy decoding pays instead (inside its step's end)
     }
     if count:
         forms["torch_topk_alone"] = lambda: logits.topk(count, dim=-1)[1][:, 0]  # the selection replaced
         for chunk, listed in CHUNK_FORMS:
             forms[f"triton_chunk_{chunk}_list_{listed}"] = (
-                lambda chunk=chunk, listed=listed: sample_candidates(logits, t, k, p, count, chunk, listed))
+                lambda chunk=chunk, listed=listed:
+                sample_candidates(logits, t, k, p, m, count, chunk=chunk, listed=listed))
         # A list of only `count` keys overflows: the last launch selects exactly (the slow path).
-        forms["triton_exact_selection"] = lambda: sample_candidates(logits, t, k, p, count, listed=count)
+        forms["triton_exact_selection"] = lambda: sample_candidates(logits, t, k, p, m, count, listed=count)
         tied = logits.round()  # few distinct values: many ties at the threshold
-        forms["triton_tied_logits"] = lambda: sample_candidates(tied, t, k, p, count)
+        forms["triton_tied_logits"] = lambda: sample_candidates(tied, t, k, p, m, count)
         forms["reference_tied_logits"] = lambda: sample_tokens(tied, t, k, p, count)
     tokens = {}
     for form, call in forms.items():
