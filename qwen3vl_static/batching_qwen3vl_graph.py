@@ -380,8 +380,6 @@ class GraphBatchingManager:
         generation config, its length against the cache, its prompt's M-RoPE positions. Raises what is wrong."""
         if engine is None:  # the batch stopped: only its output is needed
             return Sequence(output, {}, None, 0, streaming=streaming)
-        from .modeling_qwen3vl_graph import _check_generate_inputs  # the model's own input checks
-
         ids = torch.as_tensor(input_ids).cpu()
         if ids.dtype.is_floating_point or ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1) or not ids.numel():
             raise ValueError(f"input_ids must be one prompt's token ids (a list, or a (n,) or (1, n) tensor of "
@@ -396,7 +394,7 @@ class GraphBatchingManager:
         if mask is not None and (tuple(mask.shape) != tuple(ids.shape) or not bool(mask.bool().all())):
             raise ValueError("A request is one prompt without padding: its attention_mask must be all ones and of its "
                              "input_ids' shape (pass each prompt of a padded batch as a request of its own).")
-        _check_generate_inputs(self.model.config, ids, prompt)
+        self.model._check_inputs(ids, prompt)  # generate's own checks
         output.prompt_ids = ids[0].tolist()
         prompt = {**prompt, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
         sequence = Sequence(output, prompt, None, 0, streaming=streaming)
@@ -480,7 +478,8 @@ class GraphBatchingManager:
 
     @staticmethod
     def past_end(engine) -> int:
-        """Steps a row may run past its request's end: the rest of its chunk and the chunk queued after it."""
+        """Steps a row may run past its request's end: the rest of its chunk and the chunk queued after it
+        (`cache_len_for` counts them too)."""
         return 2 * engine.decode.steps_per_sync
 
     def _enter(self, entered: list, engine, scheduler) -> tuple:
@@ -642,17 +641,16 @@ def _as_request(item) -> dict:
     return {"input_ids": item}
 
 
-def request_slots(inputs, default_new_tokens: int, past_end: int) -> int:
-    """Cache slots the longest of `inputs` (as `generate_batch` takes them, each with its max_new_tokens or
-    `default_new_tokens`) needs."""
+def cache_len_for(inputs, default_new_tokens: int | None, steps_per_sync: int) -> int | None:
+    """Cache slots per row for `inputs` (as `generate_batch` takes them, each with its max_new_tokens or
+    `default_new_tokens`): what the longest needs, with the steps a row may run past its end, rounded up to 64; None
+    when some request's length is unknown."""
     longest = 0
     for item in inputs:
         request = _as_request(item)
-        ids = request["input_ids"]
+        ids, new_tokens = request["input_ids"], request.get("max_new_tokens") or default_new_tokens
+        if not isinstance(new_tokens, int):
+            return None
         length = len(ids) if isinstance(ids, (list, tuple)) else ids.shape[-1]
-        longest = max(longest, length + (request.get("max_new_tokens") or default_new_tokens))
-    return longest + past_end
-
-
-def round_up(value: int, multiple: int) -> int:
-    return multiple * math.ceil(value / multiple)
+        longest = max(longest, length + new_tokens)
+    return 64 * math.ceil((longest + 2 * steps_per_sync) / 64)

@@ -3,7 +3,7 @@
 Random bf16 weights with the exact shapes of a preset (`--model`: Qwen3-VL-2B, 4B or 8B; speed does not depend on
 weight values); with `--fp8` also ours with the same weights in Qwen's FP8 format; with `--serving` also the shapes
 users run (`serving`: sampled decoding, a batch of image prompts, long contexts, batch 64); with `--batching` many
-requests by continuous batching against static batches (`batching`, bench_batching.py). Every number comes from tokens
+requests by continuous batching as users run it (`batching`, bench_batching.py). Every number comes from tokens
 really generated: decode ms/step is the slope between two generation lengths (prefill cancels out), and every run's
 token count is checked. EOS is disabled so all systems generate the same number of tokens.
 """
@@ -310,6 +310,11 @@ def run(args) -> dict:
         raise SystemExit("bench needs a CUDA GPU; on a CPU run `python -m qwen3vl_static demo`")
     device, dtype = torch.device("cuda"), torch.bfloat16
     settings = {"use_triton_kernels": not args.torch_ops}  # default cache: 8 x 4096
+    about = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+             "python": platform.python_version(), "date": date.today().isoformat(),
+             "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]), "model": args.model}
+    if args.batching_only:
+        return {**about, "batching": batching(args, settings, torch.Generator().manual_seed(0))}
     ours, stock = build_models(device, dtype, args.model, **settings)
     generator = torch.Generator().manual_seed(0)
     prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in args.batch_sizes}
@@ -346,7 +351,10 @@ def run(args) -> dict:
     graph_equals_eager = graph_equals_eager_static_path(ours, [r for r in results if r["system"] == "ours"], prompts, image)
     serving_rows = {"serving": serving(args, ours, stock, ttft[0], settings, generator)} if args.serving else {}
     if args.batching:
-        serving_rows["batching"] = batching(args, stock, settings, generator)
+        del ours  # its cache and graphs: the batching model sizes its cache from the memory left
+        gc.collect()
+        torch.cuda.empty_cache()
+        serving_rows["batching"] = batching(args, settings, generator)
 
     fp8 = {}
     if args.fp8:
@@ -362,13 +370,7 @@ def run(args) -> dict:
     for row in results:
         del row["tokens"]
     return {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": date.today().isoformat(),
-        "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]),
-        "model": args.model,
+        **about,
         **engine_summary,
         "graph_equals_eager_static_path": graph_equals_eager,
         **fp8,
@@ -392,6 +394,23 @@ def print_table(rows, columns) -> None:
 
 
 def report(summary, out_dir: Path) -> Path:
+    if "results" in summary:
+        report_decode(summary)
+    if "batching" in summary:
+        print("batching, useful tokens/s of many requests (answers of uneven lengths):")
+        print_table(summary["batching"], ["workload", "system", "run", "rows", "static_cache_len", "useful_tokens_per_s",
+                                          "requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "peak_mem_gb", "seconds",
+                                          "tokens_equal_eager_static_path"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = summary["device"].replace(" ", "-").lower() + ("" if summary["model"] == "2b" else f"-{summary['model']}")
+    name += "" if "results" in summary else "-batching"
+    path = out_dir / f"{name}-{summary['date'].replace('-', '')}.json"
+    path.write_text(json.dumps(summary, indent=2))
+    plot(summary, path.with_suffix(".png"))
+    return path
+
+
+def report_decode(summary) -> None:
     print_table(summary["results"], ["system", "batch_size", "context_tokens", "new_tokens", "decode_ms_per_step",
                                      "ttft_ms", "e2e_tokens_per_s", "warmup_s", "weight_gb", "peak_mem_gb",
                                      "tokens_match_reference"])
@@ -418,17 +437,6 @@ def report(summary, out_dir: Path) -> Path:
         print("serving, decode ms/step at scale:")
         print_table(serving["decode"], ["batch_size", "context_tokens", "ours_decode_ms_per_step",
                                         "hf_eager_decode_ms_per_step", "ours_warmup_s", "tokens_equal_eager_static_path"])
-    if "batching" in summary:
-        print("batching, useful tokens/s of many requests (answers of uneven lengths):")
-        print_table(summary["batching"], ["workload", "system", "requests", "useful_tokens_per_s", "requests_per_s",
-                                          "ttft_ms_p50", "ttft_ms_p99", "peak_mem_gb", "seconds",
-                                          "tokens_equal_eager_static_path", "error"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = summary["device"].replace(" ", "-").lower() + ("" if summary["model"] == "2b" else f"-{summary['model']}")
-    path = out_dir / f"{name}-{summary['date'].replace('-', '')}.json"
-    path.write_text(json.dumps(summary, indent=2))
-    plot(summary, path.with_suffix(".png"))
-    return path
 
 
 def plot(summary, path) -> None:
@@ -442,17 +450,20 @@ def plot(summary, path) -> None:
     except ImportError:
         return
     batching = [row for row in summary.get("batching", []) if "useful_tokens_per_s" in row]
-    fig, axes = plt.subplots(1, 2 if batching else 1, figsize=(12 if batching else 6, 4), squeeze=False)
+    panels = ("results" in summary) + bool(batching)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     ax = axes[0][0]
-    decode = [r for r in summary["results"] if "decode_ms_per_step" in r]
+    decode = [r for r in summary.get("results", []) if "decode_ms_per_step" in r]
     for system in dict.fromkeys(r["system"] for r in decode):
         rows = [r for r in decode if r["system"] == system]
         ax.plot([r["batch_size"] for r in rows], [r["decode_ms_per_step"] for r in rows], marker="o", label=system)
-    ax.set(xlabel="batch size", ylabel="decode ms/step", yscale="log", title=f"{summary['device']}, Qwen3-VL-{summary['model'].upper()}")
-    ax.legend()
+    if decode:
+        ax.set(xlabel="batch size", ylabel="decode ms/step", yscale="log",
+               title=f"{summary['device']}, Qwen3-VL-{summary['model'].upper()}")
+        ax.legend()
     if batching:
-        ax = axes[0][1]
-        ax.barh([f"{row['workload']}\n{row['system']} ({row['requests']})" for row in batching],
+        ax = axes[0][panels - 1]
+        ax.barh([f"{row['workload']}, {row['run']} run\n{row['system']} ({row['rows']} rows)" for row in batching],
                 [row["useful_tokens_per_s"] for row in batching])
         ax.invert_yaxis()
         ax.set(xlabel="useful tokens/s", xscale="log", title="many requests, answers of uneven lengths")

@@ -1,13 +1,13 @@
-"""`bench --batching`: many requests of uneven answer lengths, by continuous batching against static batches.
+"""`bench --batching`: many requests of uneven answer lengths by continuous batching, as a user runs it.
 
-The workload: BATCHING_REQUESTS prompts of PROMPT_TOKENS text tokens (and the same count with one 448x448 image and
-a 30-token question each, 228 tokens too), answer lengths from a seeded geometric distribution of mean 128 clipped
-to 1..512, EOS off, greedy. Useful tokens/s = the tokens the requests asked for over the wall time. Systems: ours
-by `generate` in static batches of BATCHING_SLOTS requests (in input order, each batch running to its longest
-answer), ours by continuous batching over BATCHING_SLOTS rows, and (text only, STOCK_REQUESTS of the requests, as
-it runs far slower) transformers' own continuous batching on the stock model with the same weights. Every request's
-token count is checked, and ours' continuous-batching tokens against the same run with CUDA graphs off (the eager
-static path: the same schedule, so the same shapes).
+The workload (the serving engines' kind of measurement): BATCHING_REQUESTS prompts of PROMPT_TOKENS text tokens, and
+the same count with one 448x448 image and a 30-token question each (228 tokens too), answer lengths from a seeded
+geometric distribution of mean 128 clipped to 1..MAX_ANSWER, EOS off, greedy. Useful tokens/s = the tokens the requests
+asked for over the wall time. No `warmup()`: the first run captures the graphs it meets on the way (and measures the
+kernel choices), the second runs on them; both are reported, with TTFT p50/p99 and peak memory. The defaults are
+`generate_batch`'s (rows sized from the GPU's memory and the requests' lengths); BATCHING_HAND_SLOTS set the rows by
+hand beside them. Every request's token count is checked, and the tokens of the first EQUALITY_REQUESTS requests
+against the same run with CUDA graphs off (the eager static path: the same schedule, so the same shapes).
 """
 
 import gc
@@ -17,13 +17,14 @@ import time
 
 import torch
 
+from .batching_qwen3vl_graph import cache_len_for
 from .workloads import build_ours, generate_exactly_as_asked, image_prompt, text_prompt
 
-BATCHING_REQUESTS = 512
-BATCHING_SLOTS = 64
+BATCHING_REQUESTS = 2048
 PROMPT_TOKENS = 228
-STOCK_REQUESTS = 128
 MAX_ANSWER = 512
+BATCHING_HAND_SLOTS = (256, 512)
+EQUALITY_REQUESTS = 256
 
 
 def answer_lengths(count: int, generator, mean: int = 128, high: int = MAX_ANSWER) -> list:
@@ -34,110 +35,65 @@ def answer_lengths(count: int, generator, mean: int = 128, high: int = MAX_ANSWE
     return lengths.clamp(1, high).long().tolist()
 
 
-def static_batches(model, prompts, lengths) -> dict:
-    """`generate` over batches of BATCHING_SLOTS prompts in order, each to its longest answer (stacked prompts: the
-    text and image prompts have one length)."""
+def continuous(model, prompts, lengths, max_batch_size=None) -> tuple:
+    """One continuous-batching run of `prompts` (`generate_batch`'s sizing unless `max_batch_size`): (row,
+    {request id: generated tokens})."""
+    requests = [{**prompt, "max_new_tokens": length} for prompt, length in zip(prompts, lengths)]
+    cache_len = cache_len_for(requests, None, model.config.steps_per_sync)
+    manager = model.init_continuous_batching(max_batch_size=max_batch_size, static_cache_len=cache_len,
+                                             requests=len(requests))
     torch.cuda.synchronize()
-    began = time.perf_counter()
-    for start in range(0, len(prompts), BATCHING_SLOTS):
-        batch = prompts[start:start + BATCHING_SLOTS]
-        inputs = {key: torch.cat([prompt[key] for prompt in batch]) for key in batch[0]}
-        new_tokens = max(lengths[start:start + BATCHING_SLOTS])
-        out = model.generate(**inputs, max_new_tokens=new_tokens)
-        assert out.shape[1] - inputs["input_ids"].shape[1] == new_tokens, "a static batch generated another length"
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - began
-    return {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds}
-
-
-def continuous(model, prompts, lengths) -> tuple:
-    """Ours by continuous batching: (row, {request id: generated tokens})."""
-    manager = model.init_continuous_batching()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.synchronize()
     began = time.perf_counter()
-    # All queued before the batch starts: the schedule, and so the shapes, are the same in every run.
-    ids = [manager.add_request(**prompt, max_new_tokens=length) for prompt, length in zip(prompts, lengths)]
-    manager.start()
-    manager.stop(block=False)
-    results = {result.request_id: result for result in manager}
-    manager.join()
+    results = manager.generate_all(requests, progress_bar=False)
     seconds = time.perf_counter() - began
     failed = [result.error for result in results.values() if result.error]
     assert not failed, f"requests failed: {failed[:3]}"
-    assert [len(results[i].generated_tokens) for i in ids] == lengths, "a request generated another length"
-    ttft = sorted(1000 * (manager.timings[i]["first_token"] - manager.timings[i]["added"]) for i in ids)
-    row = {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds, "requests_per_s": len(ids) / seconds,
+    assert [len(result.generated_tokens) for result in results.values()] == lengths, "a request generated another length"
+    ttft = sorted(1000 * (manager.timings[i]["first_token"] - manager.timings[i]["added"]) for i in results)
+    row = {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds, "requests_per_s": len(results) / seconds,
+           "rows": model.config.max_batch_size, "static_cache_len": model.config.static_cache_len,
            "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
-    return row, {i: results[i].generated_tokens for i in ids}
+    return row, {i: result.generated_tokens for i, result in results.items()}
 
 
-def stock_continuous(stock, prompts, lengths) -> dict:
-    """transformers' own continuous batching (text prompts: it takes token ids only)."""
-    manager = stock.init_continuous_batching()
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    manager.start()
-    ids = [manager.add_request(prompt["input_ids"][0].tolist(), max_new_tokens=length)
-           for prompt, length in zip(prompts, lengths)]
-    results = {}
-    while len(results) < len(ids):
-        result = manager.get_result(timeout=600)
-        if result is None:
-            raise RuntimeError("transformers' continuous batching returned no result within 10 minutes")
-        results[result.request_id] = result  # not streaming: final results only
-    manager.stop(block=True)
-    seconds = time.perf_counter() - began
-    assert [len(results[i].generated_tokens) for i in ids] == lengths, "a stock request generated another length"
-    return {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds}
-
-
-def warm_graphs(model) -> None:
-    """Capture ahead the graphs the runs meet: decode steps of any number of rows at every KV length, prefills of the
-    groups that enter together (batch buckets up to 8 rows fit the prefill graph budget), the vision tower of the
-    groups' images (one image per request)."""
-    patches = (448 // model.config.vision_config.patch_size) ** 2  # image_prompt's 448x448 image
-    model.warmup(batch_sizes=list(range(1, BATCHING_SLOTS + 1)), modes=("greedy",), prompt_lengths=[PROMPT_TOKENS],
-                 image_patches=[patches])
-
-
-def batching(args, stock, settings, generator) -> list:
-    """The --batching rows (one per workload and system)."""
-    device, dtype = stock.device, stock.dtype
+def batching(args, settings, generator) -> list:
+    """The --batching rows: per workload, the defaults' first and second runs, then each hand-set row count's."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
     lengths = answer_lengths(BATCHING_REQUESTS, generator)
-    cache_len = PROMPT_TOKENS + MAX_ANSWER + 8  # a row may step past its end until the chunk ends
-    model = build_ours(device, dtype, args.model, max_batch_size=BATCHING_SLOTS, static_cache_len=cache_len,
-                       **settings)
+    model = build_ours(device, dtype, args.model, **settings)  # the config's defaults, no warmup
     generate_exactly_as_asked(model)
-    warm_graphs(model)
-    rows = []
-    workloads = {"text": [text_prompt(model.config, 1, PROMPT_TOKENS, device, generator)
+    cpu = torch.device("cpu")  # as a processor gives them
+    workloads = {"text": [text_prompt(model.config, 1, PROMPT_TOKENS, cpu, generator)
                           for _ in range(BATCHING_REQUESTS)],
-                 "448x448 image": [image_prompt(model.config, device, generator) for _ in range(BATCHING_REQUESTS)]}
+                 "448x448 image": [image_prompt(model.config, cpu, generator) for _ in range(BATCHING_REQUESTS)]}
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)  # as measured: the table comes at the end of the whole bench
+
     for workload, prompts in workloads.items():
         assert prompts[0]["input_ids"].shape[1] == PROMPT_TOKENS, "the workloads' prompts have PROMPT_TOKENS tokens"
-        continuous(model, prompts[:BATCHING_SLOTS], lengths[:BATCHING_SLOTS])  # warms the graphs it meets
-        row, tokens = continuous(model, prompts, lengths)
+        base = {"workload": workload, "requests": BATCHING_REQUESTS}
+        for run in ("first", "second"):
+            row, _ = continuous(model, prompts, lengths)
+            record({**base, "system": "ours_continuous_defaults", "run": run, **row})
+        head, head_lengths = prompts[:EQUALITY_REQUESTS], lengths[:EQUALITY_REQUESTS]
+        _, tokens = continuous(model, head, head_lengths)
         model.set_cuda_graphs(False)
         try:
-            _, eager = continuous(model, prompts, lengths)
+            _, eager = continuous(model, head, head_lengths)
         finally:
             model.set_cuda_graphs(True)
-        row["tokens_equal_eager_static_path"] = tokens == eager
-        rows.append({"workload": workload, "system": "ours_continuous", "requests": BATCHING_REQUESTS, **row})
-        print(json.dumps(rows[-1]))  # as measured: the table comes at the end of the whole bench
-        rows.append({"workload": workload, "system": "ours_static_batches", "requests": BATCHING_REQUESTS,
-                     **static_batches(model, prompts, lengths)})
-        print(json.dumps(rows[-1]))
+        rows[-1]["tokens_equal_eager_static_path"] = tokens == eager
+        rows[-1]["equality_requests"] = EQUALITY_REQUESTS
         if workload == "text":
-            try:
-                stock_row = stock_continuous(stock, prompts[:STOCK_REQUESTS], lengths[:STOCK_REQUESTS])
-            except Exception as error:  # noqa: BLE001 - the other rows still stand; the row says why it is missing
-                stock_row = {"error": f"{type(error).__name__}: {error}"}
-            rows.append({"workload": workload, "system": "hf_continuous_batching", "requests": STOCK_REQUESTS,
-                         **stock_row})
-            print(json.dumps(rows[-1]))
+            for slots in BATCHING_HAND_SLOTS:
+                for run in ("first", "second"):
+                    row, _ = continuous(model, prompts, lengths, max_batch_size=slots)
+                    record({**base, "system": f"ours_continuous_{slots}_rows", "run": run, **row})
     del model
     gc.collect()
     torch.cuda.empty_cache()

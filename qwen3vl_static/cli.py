@@ -52,7 +52,8 @@ def main(argv=None) -> int:
                         "checkpoint's generation config)")
     runner.add_argument("--greedy", action="store_true", help="greedy decoding (default: the checkpoint's "
                         "generation config, which samples for Qwen's checkpoints)")
-    runner.add_argument("--slots", type=int, help="requests decoded at once: the static cache's rows (max_batch_size)")
+    runner.add_argument("--slots", type=int, help="requests decoded at once: the static cache's rows (max_batch_size; "
+                        "default: as many as fit in the GPU's memory, the config's on the CPU)")
     runner.add_argument("--cache-len", type=int, help="cache slots per request (static_cache_len)")
     runner.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     runner.set_defaults(run=_run)
@@ -78,8 +79,11 @@ def main(argv=None) -> int:
                        "greedy, TTFT of 8 image prompts in one batch, decode at 7800 / 4000 tokens of context and at "
                        "batch 64 (JSON key serving; a few minutes more)")
     bench.add_argument("--batching", action="store_true",
-                       help="also measure many requests of uneven answer lengths: continuous batching against static "
-                       "batches of 64 and transformers' own continuous batching (JSON key batching; a few minutes more)")
+                       help="also measure 2,048 requests of uneven answer lengths (text, and an image each) by "
+                       "continuous batching as generate_batch sizes it and at hand-set row counts, first and second "
+                       "run (JSON key batching; a few minutes more)")
+    bench.add_argument("--batching-only", action="store_true",
+                       help="only the --batching measurement (its own JSON, *-batching-DATE.json)")
     bench.add_argument("--out", type=Path, default=Path("bench/results"))
     bench.set_defaults(run=_bench)
 
@@ -164,8 +168,7 @@ def _run(args) -> int:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    overrides = {name: value for name, value in (("max_batch_size", args.slots), ("static_cache_len", args.cache_len))
-                 if value is not None}
+    overrides = {} if args.cache_len is None else {"static_cache_len": args.cache_len}
     failure = None
     try:
         model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
@@ -174,7 +177,7 @@ def _run(args) -> int:
             model.generation_config.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         settings = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
         counts = run_dataset(model, load_processor(args.model), args.input, args.output, rank=rank, world=world,
-                             **settings)
+                             max_batch_size=args.slots, **settings)
     except Exception as error:  # noqa: BLE001 - every rank learns which failed; what they wrote stays
         failure = f"rank {rank} of {world}: {type(error).__name__}: {error}"
     failures = [failure]

@@ -175,12 +175,13 @@ def parts_of(output_path: Path) -> list:
 
 
 def run_dataset(model, processor, input_path, output_path, progress: bool = True, rank: int = 0, world: int = 1,
-                **settings) -> dict:
+                max_batch_size: int | None = None, **settings) -> dict:
     """Answer every request of `input_path` not yet answered in `output_path` (or the part files of an earlier
     data-parallel run; see the module docstring); `settings` apply to every request (a line's own win). With `world`
     ranks, this rank answers its share (`share_out`) into its part file, for rank 0 to merge when all are done;
-    alone, it leaves the output in input order (`merge_in_input_order`). Returns counts: answered, failed, skipped,
-    generated tokens, seconds."""
+    alone, it leaves the output in input order (`merge_in_input_order`). `max_batch_size`: the requests decoded at
+    once (default: as many as fit in the GPU's memory, `init_continuous_batching`). Returns counts: answered, failed,
+    skipped, generated tokens, seconds."""
     input_path, output_path = Path(input_path), Path(output_path)
     target = output_path if world == 1 else part_path(output_path, rank)
     # Only the file this rank appends to is cleaned; the others (other ranks' parts, the output) are only read.
@@ -190,7 +191,11 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
     default_new_tokens = settings.get("max_new_tokens") or model.generation_config.max_new_tokens or 128
     ranks = share_out([request_cost(line, default_new_tokens) for line in lines], world)
     counts = {"answered": 0, "failed": 0, "skipped": 0, "generated_tokens": 0}
-    manager = model.init_continuous_batching(max_queue_size=2 * model.config.max_batch_size)
+    mine = sum(1 for number, line in enumerate(lines) if line.strip() and ranks[number] == rank)
+    manager = model.init_continuous_batching(max_batch_size=max_batch_size, requests=max(mine, 1),
+                                             tokenizer=getattr(processor, "tokenizer", None))
+    # Lines render (their images decoded) while rows decode, two rows' worth ahead, not the whole file at once.
+    manager.input_queue.maxsize = 2 * model.config.max_batch_size
     began = time.perf_counter()
     seen = set()
     with target.open("a") as out, tqdm(desc=f"Answering (rank {rank})" if world > 1 else "Answering", unit="request",

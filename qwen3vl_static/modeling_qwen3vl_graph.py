@@ -26,10 +26,9 @@ from .batching_qwen3vl_graph import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_PREFILL_TOKENS,
     GraphBatchingManager,
+    cache_len_for,
     device_memory,
     kv_bytes_per_slot,
-    request_slots,
-    round_up,
     slots_from_memory,
 )
 from .cache_qwen3vl_graph import ASStaticCache
@@ -56,6 +55,7 @@ from .ops_sample_qwen3vl_graph import sample_tokens  # noqa: F401
 from .ops_step_end_qwen3vl_graph import finish_step  # noqa: F401
 from .prefill_qwen3vl_graph import PrefillRunner  # noqa: F401
 from .runner_qwen3vl_graph import GraphRunner  # noqa: F401
+from .scheduler_qwen3vl_graph import Scheduler  # noqa: F401
 from .triton_qwen3vl_graph import launch  # noqa: F401
 from .tuner_qwen3vl_graph import KernelTuner  # noqa: F401
 
@@ -253,9 +253,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         inputs = list(inputs)
         config = generation_config if generation_config is not None else self.generation_config
         new_tokens = kwargs.get("max_new_tokens") or config.max_new_tokens
-        if static_cache_len is None and new_tokens and device_memory(self.device) is not None:
-            past_end = 2 * self.config.steps_per_sync
-            static_cache_len = round_up(request_slots(inputs, new_tokens, past_end), 64)
+        if static_cache_len is None and device_memory(self.device) is not None:
+            static_cache_len = cache_len_for(inputs, new_tokens, self.config.steps_per_sync)
         manager = self.init_continuous_batching(
             generation_config, max_batch_size=max_batch_size, static_cache_len=static_cache_len,
             gpu_memory_utilization=gpu_memory_utilization, max_prefill_tokens=max_prefill_tokens, tokenizer=tokenizer,
@@ -293,6 +292,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 self._engine = self.model.visual.runner = None  # the old cache and graphs go before the new ones
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
+
+    def _check_inputs(self, input_ids, model_kwargs) -> None:
+        """`generate`'s checks of a prompt's inputs (`_check_generate_inputs`), for continuous batching's requests."""
+        _check_generate_inputs(self.config, input_ids, model_kwargs)
 
     def _static_loop_blocker(self, generation_config, model_kwargs, generation_mode) -> str | None:
         """Why this call must run transformers' own loop, or None when the static loop covers it."""
