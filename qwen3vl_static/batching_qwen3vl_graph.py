@@ -97,6 +97,7 @@ class _Chunk:
     steps: int
     entered: list  # sequences prefilled before the steps, whose first tokens `first_tokens` holds
     first_tokens: object = None
+    events: tuple = ()  # CUDA timing events before the prefill, between it and the steps, after the steps
 
 
 class GraphBatchingManager:
@@ -124,6 +125,9 @@ class GraphBatchingManager:
         self.error = None  # what ended the batch itself, if anything did
         # Per request id, `time.perf_counter()` when it was added, when its first token was drawn, when it finished.
         self.timings = {}
+        # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU, decode
+        # steps, row-steps queued (rows covered x steps) and of them held by a request.
+        self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "host_wait_ms", "steps", "row_steps", "request_steps"), 0)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -321,7 +325,8 @@ class GraphBatchingManager:
         while True:
             self._take_in(scheduler, engine, wait=not (scheduler.has_work() or in_flight))
             entered = scheduler.schedule()
-            chunk = None
+            chunk, timed = None, engine.device.type == "cuda"
+            before = _event() if timed and (entered or scheduler.running) else None
             if entered:
                 chunk = _Chunk(None, {}, 0, *self._enter(entered, engine, scheduler))
             if scheduler.running:
@@ -335,9 +340,17 @@ class GraphBatchingManager:
                     "sample_seeded" if "sample_seeded" in modes else "sample_top_k_seeded")
                 steps = runner.steps_per_sync
                 chunk = chunk or _Chunk(None, {}, 0, [])
+                between = _event() if timed else None
                 chunk.handle, chunk.owners, chunk.steps = runner.issue(steps, mode), dict(running), steps
                 for sequence in running.values():
                     sequence.length += steps
+                if timed:
+                    chunk.events = (before, between, _event())
+                self.stats["steps"] += steps
+                self.stats["row_steps"] += runner.batch_size * steps
+                self.stats["request_steps"] += len(running) * steps
+            elif chunk is not None and timed:
+                chunk.events = (before, _event(), None)
             if chunk is not None:
                 in_flight.append(chunk)
             # One chunk stays queued while the host reads the one before; with nothing new queued, read them all.
@@ -562,7 +575,7 @@ class GraphBatchingManager:
     def _read(self, chunk: _Chunk, scheduler, runner) -> None:
         """The host's half of a chunk: its first tokens and steps' tokens appended to their requests, which end by
         their own rules (their rows free for the next admissions), streamed outputs delivered."""
-        touched = set()
+        touched, began = set(), time.perf_counter()
         if chunk.entered:
             tokens, copied = chunk.first_tokens
             if copied is not None:
@@ -575,6 +588,13 @@ class GraphBatchingManager:
                     touched.add(sequence)
         if chunk.handle is not None:
             tokens, _ = runner.collect(chunk.handle)
+        self.stats["host_wait_ms"] += 1000 * (time.perf_counter() - began)
+        if chunk.events:
+            before, between, after = chunk.events
+            self.stats["prefill_ms"] += before.elapsed_time(between)
+            if after is not None:
+                self.stats["decode_ms"] += between.elapsed_time(after)
+        if chunk.handle is not None:
             tokens = tokens.tolist()
             for row, sequence in chunk.owners.items():
                 if not sequence.done:
@@ -607,6 +627,12 @@ class GraphBatchingManager:
         longest = max(len(stop) for stop in sequence.stop_strings)
         tail = self.tokenizer.decode(sequence.output.generated_tokens[-longest - 1:])
         return any(tail.endswith(stop) for stop in sequence.stop_strings)
+
+
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:

@@ -5,8 +5,8 @@ the same count with one 448x448 image and a 30-token question each (228 tokens t
 geometric distribution of mean 128 clipped to 1..MAX_ANSWER, EOS off, greedy. Useful tokens/s = the tokens the requests
 asked for over the wall time. No `warmup()`: the first run captures the graphs it meets on the way (and measures the
 kernel choices), the second runs on them; both are reported, with TTFT p50/p99 and peak memory. The defaults are
-`generate_batch`'s (rows sized from the GPU's memory and the requests' lengths); BATCHING_HAND_SLOTS set the rows by
-hand beside them. Every request's token count is checked, and the tokens of the first EQUALITY_REQUESTS requests
+`generate_batch`'s (rows sized from the GPU's memory and the requests' lengths); `--batching-slots` set the rows by hand
+beside them (text). Every request's token count is checked, and the tokens of the first EQUALITY_REQUESTS requests
 against the same run with CUDA graphs off (the eager static path: the same schedule, so the same shapes).
 """
 
@@ -23,7 +23,6 @@ from .workloads import build_ours, generate_exactly_as_asked, image_prompt, text
 BATCHING_REQUESTS = 2048
 PROMPT_TOKENS = 228
 MAX_ANSWER = 512
-BATCHING_HAND_SLOTS = (256, 512)
 EQUALITY_REQUESTS = 256
 
 
@@ -35,13 +34,13 @@ def answer_lengths(count: int, generator, mean: int = 128, high: int = MAX_ANSWE
     return lengths.clamp(1, high).long().tolist()
 
 
-def continuous(model, prompts, lengths, max_batch_size=None) -> tuple:
-    """One continuous-batching run of `prompts` (`generate_batch`'s sizing unless `max_batch_size`): (row,
-    {request id: generated tokens})."""
+def continuous(model, prompts, lengths, max_batch_size=None, **manager_settings) -> tuple:
+    """One continuous-batching run of `prompts` (`generate_batch`'s sizing unless `max_batch_size`; `manager_settings`
+    for `init_continuous_batching`): (row, {request id: generated tokens})."""
     requests = [{**prompt, "max_new_tokens": length} for prompt, length in zip(prompts, lengths)]
     cache_len = cache_len_for(requests, None, model.config.steps_per_sync)
     manager = model.init_continuous_batching(max_batch_size=max_batch_size, static_cache_len=cache_len,
-                                             requests=len(requests))
+                                             requests=len(requests), **manager_settings)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     began = time.perf_counter()
@@ -54,7 +53,8 @@ def continuous(model, prompts, lengths, max_batch_size=None) -> tuple:
     row = {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds, "requests_per_s": len(results) / seconds,
            "rows": model.config.max_batch_size, "static_cache_len": model.config.static_cache_len,
            "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+           **{f"gpu_{key}" if key.endswith("_ms") else key: value for key, value in manager.stats.items()}}
     return row, {i: result.generated_tokens for i, result in results.items()}
 
 
@@ -65,9 +65,10 @@ def batching(args, settings, generator) -> list:
     model = build_ours(device, dtype, args.model, **settings)  # the config's defaults, no warmup
     generate_exactly_as_asked(model)
     cpu = torch.device("cpu")  # as a processor gives them
-    workloads = {"text": [text_prompt(model.config, 1, PROMPT_TOKENS, cpu, generator)
-                          for _ in range(BATCHING_REQUESTS)],
-                 "448x448 image": [image_prompt(model.config, cpu, generator) for _ in range(BATCHING_REQUESTS)]}
+    workloads = {"text": lambda: text_prompt(model.config, 1, PROMPT_TOKENS, cpu, generator),
+                 "448x448 image": lambda: image_prompt(model.config, cpu, generator)}
+    workloads = {name: [prompt() for _ in range(BATCHING_REQUESTS)] for name, prompt in workloads.items()
+                 if name.split()[-1] in args.batching_workloads}
     rows = []
 
     def record(row):
@@ -90,7 +91,7 @@ def batching(args, settings, generator) -> list:
         rows[-1]["tokens_equal_eager_static_path"] = tokens == eager
         rows[-1]["equality_requests"] = EQUALITY_REQUESTS
         if workload == "text":
-            for slots in BATCHING_HAND_SLOTS:
+            for slots in args.batching_slots:
                 for run in ("first", "second"):
                     row, _ = continuous(model, prompts, lengths, max_batch_size=slots)
                     record({**base, "system": f"ours_continuous_{slots}_rows", "run": run, **row})

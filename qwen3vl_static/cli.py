@@ -84,6 +84,10 @@ def main(argv=None) -> int:
                        "run (JSON key batching; a few minutes more)")
     bench.add_argument("--batching-only", action="store_true",
                        help="only the --batching measurement (its own JSON, *-batching-DATE.json)")
+    bench.add_argument("--batching-workloads", nargs="+", choices=("text", "image"), default=["text", "image"],
+                       help="the --batching workloads to run (default: both)")
+    bench.add_argument("--batching-slots", type=int, nargs="*", default=[256, 512],
+                       help="rows set by hand for the --batching text workload, beside the defaults (default: 256 512)")
     bench.add_argument("--out", type=Path, default=Path("bench/results"))
     bench.set_defaults(run=_bench)
 
