@@ -214,7 +214,7 @@ class GraphBatchingManager:
                     result = None
             if result is not None:
                 yield result
-                if result.status >= RequestStatus.FINISHED:
+                if result.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
                     self._streams.pop(request_id, None)
                     return
             elif self.error is not None:

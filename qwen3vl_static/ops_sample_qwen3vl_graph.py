@@ -56,10 +56,10 @@ def seeded_noise(seeds, draws, count: int):
     """Exp(1) noise `(b, count)` for the sampler's ranks from each row's own `seeds` and `draws` (how many draws the
     row made before) `(b,)`, int64: a row's draws depend on its seed and its step only, never on the batch around it,
     so a seeded request samples the same tokens alone or among others. A counter-based hash, graph-safe; the uniforms
-    have 24 bits (a rank's noise is at most 17.3)."""
+    have 23 bits and lie strictly inside (0, 1) in float32 (a 24-bit one would round up to 1: noise 0, a NaN draw)."""
     ranks = torch.arange(count, device=seeds.device)
     x = _mix32(_mix32(_mix32(seeds & _MASK32) ^ (draws & _MASK32))[:, None] ^ ranks[None, :])
-    return -torch.log(((x >> 8).float() + 0.5) * 2.0**-24)
+    return -torch.log(((x >> 9).float() + 0.5) * 2.0**-23)
 
 
 if triton is not None:

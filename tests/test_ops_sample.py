@@ -145,3 +145,14 @@ def test_seeded_draws_agree_between_the_reference_and_the_kernels():
     top_k = torch.full((rows,), vocab, device=DEVICE)
     assert torch.equal(sample_sorted(logits, temperature, top_k, top_p, min_p, full, split=64),
                        sample_tokens(logits, temperature, top_k, top_p, None, min_p, full))
+
+
+def test_seeded_noise_is_positive_and_finite_at_the_ends_of_its_range(monkeypatch):
+    """The hash's largest and smallest values give noise strictly between 0 and infinity (a noise of 0 would make
+    a removed token's draw 0 / 0, a NaN that argmax picks)."""
+    import qwen3vl_static.ops_sample_qwen3vl_graph as sampler
+
+    for extreme in (0, 0xFFFFFFFF):
+        monkeypatch.setattr(sampler, "_mix32", lambda x, extreme=extreme: torch.full_like(x, extreme))
+        noise = seeded_noise(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 4)
+        assert bool(((noise > 0) & noise.isfinite()).all())
