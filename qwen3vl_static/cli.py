@@ -1,6 +1,7 @@
 """Command line: `python -m qwen3vl_static <command> ...`. Not uploaded to the Hub."""
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,36 @@ def main(argv=None) -> int:
     runner.add_argument("--cache-len", type=int, help="cache slots per request (static_cache_len)")
     runner.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     runner.set_defaults(run=_run)
+
+    server = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (pip install -e \".[serve]\")",
+        description="Answer OpenAI-style chat and completion requests (text and images, streaming) over HTTP by "
+        "continuous batching on the graph engine: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
+        "GET /health. Ctrl-C or SIGTERM lets the requests in flight finish, then exits.",
+    )
+    server.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub repo id (stock or converted)")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one)")
+    server.add_argument("--served-model-name", help="the model name requests give (default: MODEL as written)")
+    server.add_argument("--api-key", default=os.environ.get("QWEN3VL_STATIC_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $QWEN3VL_STATIC_API_KEY, else none)")
+    server.add_argument("--slots", type=int, help="requests decoded at once: the static cache's rows (max_batch_size; "
+                        "default: as many as fit in the GPU's memory, the config's on the CPU)")
+    server.add_argument("--cache-len", type=int, help="cache slots per request, prompt and answer (static_cache_len)")
+    server.add_argument("--max-waiting", type=int, default=256,
+                        help="requests waiting for a free row; more get 503 (default 256)")
+    server.add_argument("--max-request-mb", type=float, default=50, help="largest request body, MiB (default 50)")
+    server.add_argument("--max-images", type=int, default=8, help="images per request (default 8)")
+    server.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                        help="pixels of an image, width x height (default 4096 x 4096)")
+    server.add_argument("--max-image-mb", type=float, default=20, help="an image's encoded size, MiB (default 20)")
+    server.add_argument("--media-timeout", type=float, default=10, help="seconds to fetch an image URL (default 10)")
+    server.add_argument("--allowed-local-media-path", type=Path,
+                        help="a folder whose images requests may name by file:// URL (default: none)")
+    server.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    server.set_defaults(run=_serve)
 
     bench = commands.add_parser(
         "bench",
@@ -198,6 +229,26 @@ def _run(args) -> int:
     where = f"rank {rank} of {world}: " if world > 1 else ""
     print(f"{where}answered {counts['answered']}, failed {counts['failed']}, skipped {counts['skipped']} (already "
           f"answered); {counts['generated_tokens']} tokens in {counts['seconds']:.1f} s")
+    return 0
+
+
+def _serve(args) -> int:
+    from .dataset_runner import load_processor
+    from .media import MediaLimits
+    from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
+    from .server import ServerLimits, serve
+
+    device = torch.device(args.device)
+    overrides = {} if args.cache_len is None else {"static_cache_len": args.cache_len}
+    model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
+        args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
+    mib = 2**20
+    serve(model, load_processor(args.model), args.served_model_name or args.model, host=args.host, port=args.port,
+          api_key=args.api_key, max_batch_size=args.slots,
+          limits=ServerLimits(max_waiting=args.max_waiting, max_body_bytes=int(args.max_request_mb * mib),
+                              max_images=args.max_images),
+          media=MediaLimits(max_bytes=int(args.max_image_mb * mib), max_pixels=args.max_image_pixels,
+                            timeout_s=args.media_timeout, allowed_local_path=args.allowed_local_media_path))
     return 0
 
 

@@ -1,0 +1,503 @@
+"""The OpenAI-compatible HTTP server behind `python -m qwen3vl_static serve MODEL`. Not uploaded to the Hub; needs
+the `serve` extra (FastAPI, uvicorn, httpx).
+
+Endpoints (vLLM's shapes): `POST /v1/chat/completions` (text and `image_url` parts, streaming as server-sent events),
+`POST /v1/completions` (a text prompt), `GET /v1/models`, `GET /health`. Every choice of a request is one streaming
+request of the model's continuous-batching manager, so requests join the running batch as they arrive. What can be
+checked before a request enters the batch is (the body, the model name, images, the prompt's and the answer's length
+against a cache row, the queue), and answered with an OpenAI-style error, `{"error": {"message", "type", "param",
+"code"}}`, whose message says what to change. A client that disconnects cancels its choices, freeing their rows; on
+SIGINT / SIGTERM uvicorn stops accepting connections, the requests in flight finish, then the batch stops.
+"""
+
+import asyncio
+import json
+import logging
+import secrets
+import signal
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Annotated, Literal
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+from .media import MediaError, MediaLimits, fetch_image
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
+               413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_waiting: int = 256  # requests (choices) waiting for a row, beyond the rows; past it: 503
+    max_body_bytes: int = 50 * 2**20
+    max_images: int = 8  # per request
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "InternalServerError"),
+                          "param": self.param, "code": self.status}}
+
+
+# -- request bodies -----------------------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a field this server does not implement is refused, not ignored
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None  # accepted; the processor sizes images itself
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant"]
+    # Tagged by the input's kind: a wrong part is reported alone, not beside "not a string".
+    content: Annotated[Annotated[str, Tag("string")] | Annotated[list[Part], Tag("parts")],
+                       Discriminator(lambda content: "string" if isinstance(content, str) else "parts")]
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = Field(None, validate_default=True)  # always a list once validated
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if not all(stops):
+            raise ValueError("stop strings must not be empty")
+        return stops
+
+    def sampling(self) -> dict:
+        """The manager's sampling settings the request sets (a request that sets any samples; temperature 0: greedy)."""
+        settings = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                    "top_k": None if self.top_k is None else max(self.top_k, 0)}
+        return {key: value for key, value in settings.items() if value is not None}
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Generation):
+    prompt: str = Field(min_length=1)
+
+
+# -- answers --------------------------------------------------------------------------------------------------------
+
+
+class Answer:
+    """One choice's text as its tokens come: cut before the first stop string, and held back while its end could still
+    begin one (or is half a character) until the choice ends."""
+
+    def __init__(self, request_id: str, tokenizer, stops: list, eos_ids: frozenset):
+        self.request_id, self.tokenizer, self.stops, self.eos_ids = request_id, tokenizer, stops, eos_ids
+        self.tokens = []
+        self.text = ""  # what was sent
+        self.finish_reason = None
+        self.error = None
+        self.running = True  # until the manager's last output for it
+        self._clean_tokens, self._clean_text = 0, ""  # the text up to the last token that ended a whole character
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def advance(self, output) -> str:
+        """The text to send after `output` (every token so far); sets `finish_reason` or `error` when it ends."""
+        if output.status == RequestStatus.FAILED:
+            self.error = output.error
+            return ""
+        tokens = list(output.generated_tokens)
+        text = self._text(tokens)
+        cut = min((text.find(stop) for stop in self.stops if stop in text), default=None)
+        if cut is not None:  # the fewest tokens that hold it; the text before it had none
+            tokens = tokens[: next(count for count in range(len(self.tokens) + 1, len(tokens) + 1)
+                                   if any(stop in self._decode(tokens[:count]) for stop in self.stops))]
+            text, self.finish_reason = text[:cut], "stop"
+        elif output.status == RequestStatus.FINISHED:
+            self.finish_reason = "stop" if tokens and tokens[-1] in self.eos_ids else "length"
+        else:
+            text = text.rstrip("\ufffd")
+            if self.stops:
+                text = text[: max(len(self.text), len(text) - max(map(len, self.stops)) + 1)]
+        self.tokens = tokens
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+    def _decode(self, tokens) -> str:
+        # No clean-up of spaces: the text of more tokens then always extends the text of fewer.
+        return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _text(self, tokens) -> str:
+        """The text of `tokens`, decoding only those after the last clean cut (byte-level BPE: text splits where no
+        character is half written)."""
+        tail = self._decode(tokens[self._clean_tokens:])
+        text = self._clean_text + tail
+        if not tail.endswith("\ufffd"):
+            self._clean_tokens, self._clean_text = len(tokens), text
+        return text
+
+
+class Job:
+    """One HTTP request's choices, each a streaming request of the manager, and their outputs as they come."""
+
+    def __init__(self, job_id: str, prompt_tokens: int, answers: list, cancel_request):
+        self.id, self.prompt_tokens, self.answers = job_id, prompt_tokens, answers
+        self.created = int(time.time())
+        self.outputs = asyncio.Queue()  # (choice index, GenerationOutput), filled by the manager's result handlers
+        self._cancel_request = cancel_request
+        self._watcher = None
+
+    async def updates(self):
+        """(choice index, new text, finish reason or None) as the choices' tokens come, until every choice is done."""
+        while not all(answer.done for answer in self.answers):
+            index, output = await self.outputs.get()
+            answer = self.answers[index]
+            if answer.done:  # the cancellation of a choice that ended at a stop string
+                continue
+            delta = answer.advance(output)
+            if answer.done and answer.running:  # ended at a stop string inside a token: its row frees now
+                self._cancel_request(answer.request_id)
+            if delta or answer.finish_reason:
+                yield index, delta, answer.finish_reason
+
+    def error(self) -> str | None:
+        return next((answer.error for answer in self.answers if answer.error is not None), None)
+
+    def usage(self) -> dict:
+        completion = sum(len(answer.tokens) for answer in self.answers)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def watch(self, request: Request) -> None:
+        """Cancel the running choices when the client disconnects."""
+        async def until_disconnect():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            cancelled = self.cancel()
+            if cancelled:
+                logger.info("%s: the client disconnected; %d unfinished choice(s) cancelled", self.id, cancelled)
+
+        self._watcher = asyncio.create_task(until_disconnect())
+
+    def cancel(self) -> int:
+        running = [answer for answer in self.answers if answer.running]
+        for answer in running:
+            self._cancel_request(answer.request_id)
+        return len(running)
+
+    def close(self) -> None:
+        """The response is over (sent, failed or abandoned): stop watching, cancel what still runs."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        self.cancel()
+
+
+# -- the server -------------------------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    """The endpoints over one model's continuous-batching manager (`app()`: the FastAPI application)."""
+
+    def __init__(self, model, processor, model_name: str, api_key: str | None = None, max_batch_size: int | None = None,
+                 limits: ServerLimits = ServerLimits(), media: MediaLimits = MediaLimits()):
+        self.model, self.processor, self.model_name, self.api_key = model, processor, model_name, api_key
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.limits, self.media = limits, media
+        self.manager = model.init_continuous_batching(max_batch_size=max_batch_size, tokenizer=self.tokenizer)
+        engine = model.graph_engine()
+        # A row holds the prompt, the answer and the steps a row may run past its end.
+        self.row_slots, self.reserved = engine.cache.capacity, self.manager.past_end(engine)
+        self.max_requests = engine.cache.rows + limits.max_waiting
+        self.in_flight = 0  # choices added to the manager and not yet ended
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.created = int(time.time())
+        self.http = None  # the client that fetches image URLs, open while the app runs
+
+    def app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_):
+            async with httpx.AsyncClient() as client:
+                self.http = client
+                self.manager.start()
+                try:
+                    yield
+                finally:  # uvicorn let the requests in flight finish first
+                    await asyncio.to_thread(self.manager.stop)
+
+        app = FastAPI(title="qwen3vl_static", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(APIError, lambda _, error: JSONResponse(error.body(), status_code=error.status))
+        app.add_exception_handler(HTTPException, lambda _, error: JSONResponse(
+            APIError(error.status_code, str(error.detail)).body(), status_code=error.status_code))
+        app.add_exception_handler(Exception, lambda _, error: JSONResponse(
+            APIError(500, f"{type(error).__name__}: {error}").body(), status_code=500))
+        # A client gone mid-upload: no one to answer, nothing to log.
+        app.add_exception_handler(ClientDisconnect, lambda *_: Response(status_code=499))
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        return app
+
+    async def health(self) -> Response:
+        if self.manager.error is not None or not self.manager.is_running():
+            return JSONResponse(self._stopped().body(), status_code=503)
+        return Response(status_code=200)
+
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "qwen3vl_static", "max_model_len": self.row_slots}]}
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._parse(request, ChatRequest)
+        urls = [part.image_url.url for message in body.messages if isinstance(message.content, list)
+                for part in message.content if part.type == "image_url"]
+        if len(urls) > self.limits.max_images:
+            raise APIError(400, f"{len(urls)} images in one request, more than this server takes "
+                                f"({self.limits.max_images}, --max-images): send fewer", param="messages")
+        images = iter(await asyncio.gather(*(self._image(number, url) for number, url in enumerate(urls, 1))))
+        messages = [{"role": message.role, "content": message.content if isinstance(message.content, str) else [
+            {"type": "text", "text": part.text} if part.type == "text" else {"type": "image", "image": next(images)}
+            for part in message.content]} for message in body.messages]
+        inputs = await asyncio.to_thread(self._render_chat, messages)
+        job = self._submit(inputs, body, body.max_completion_tokens or body.max_tokens, "chatcmpl")
+        return await self._respond(request, job, body, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        ids = self.tokenizer(body.prompt, return_tensors="pt")["input_ids"]
+        job = self._submit({"input_ids": ids}, body, body.max_tokens, "cmpl")
+        return await self._respond(request, job, body, chat=False)
+
+    # -- a request's way in ---------------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is not None and not secrets.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
+                                "server's --api-key")
+
+    async def _parse(self, request: Request, kind):
+        """The request's body as `kind`, within the size limit, for this server's model."""
+        self._authorize(request)
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_large = APIError(413, f"The body is larger than this server takes ({limit} bytes, --max-request-mb): "
+                                  "send smaller or fewer images")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > limit:
+                raise too_large
+        try:
+            data = json.loads(raw)
+        except ValueError as error:
+            raise APIError(400, f"The body is not JSON ({error}): send a JSON object") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "The body must be a JSON object")
+        try:
+            body = kind.model_validate(data)
+        except ValidationError as error:
+            problems = [(_location(problem["loc"]),
+                         "not supported by this server" if problem["type"] == "extra_forbidden" else problem["msg"])
+                        for problem in error.errors()]
+            raise APIError(400, "Invalid request: " + "; ".join(f"{where}: {what}" for where, what in problems[:4]),
+                           param=problems[0][0]) from None
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(400, f"Unknown model {body.model!r}: this server serves {self.model_name!r} (GET "
+                                "/v1/models)", param="model")
+        return body
+
+    async def _image(self, number: int, url: str):
+        try:
+            return await fetch_image(url, self.media, self.http)
+        except MediaError as error:
+            raise APIError(400, f"Image {number}: {error}", param="messages") from None
+
+    def _render_chat(self, messages) -> dict:
+        try:
+            return dict(self.processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                           return_dict=True, return_tensors="pt"))
+        except Exception as error:  # noqa: BLE001 - what the model's chat template or processor refuses
+            raise APIError(400, f"The model's chat template could not render these messages "
+                                f"({type(error).__name__}: {error})", param="messages") from None
+
+    def _stopped(self) -> APIError:
+        reason = f"on an error: {self.manager.error}" if self.manager.error is not None else "(shutting down)"
+        return APIError(503, f"The model's batch has stopped {reason}; restart the server")
+
+    def _submit(self, inputs: dict, body: _Generation, max_tokens: int | None, prefix: str) -> Job:
+        """The request's choices into the batch, after the checks the batch would otherwise fail them on."""
+        if self.manager.error is not None or not self.manager.is_running():
+            raise self._stopped()
+        prompt_tokens = inputs["input_ids"].shape[-1]
+        room = self.row_slots - self.reserved - prompt_tokens
+        if room < 1:
+            raise APIError(400, f"The prompt is {prompt_tokens} tokens, and a request's cache row holds "
+                                f"{self.row_slots - self.reserved} of prompt and answer (--cache-len {self.row_slots}, "
+                                f"less {self.reserved}): shorten the prompt, or restart the server with a larger "
+                                "--cache-len", param="messages")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt is {prompt_tokens} tokens and a "
+                                f"cache row holds {self.row_slots - self.reserved} of prompt and answer, so at most "
+                                f"{room}; ask for fewer (or restart the server with a larger --cache-len)",
+                           param="max_tokens")
+        if body.n > self.max_requests:
+            raise APIError(400, f"n={body.n} is more than this server holds at once ({self.max_requests}): ask for "
+                                "fewer choices", param="n")
+        if self.in_flight + body.n > self.max_requests:
+            raise APIError(503, f"The server is full: {self.in_flight} requests are running or waiting, at most "
+                                f"{self.max_requests} (rows + --max-waiting); retry later")
+        job_id = f"{prefix}-{uuid.uuid4().hex}"
+        answers = [Answer(f"{job_id}-{index}", self.tokenizer, body.stop, self.eos_ids) for index in range(body.n)]
+        job = Job(job_id, prompt_tokens, answers, self.manager.cancel_request)
+        new_tokens = max_tokens or room
+        for index, answer in enumerate(answers):
+            # Each choice its own seed, so that seeded choices differ from each other and repeat across requests.
+            seed = {} if body.seed is None else {"seed": (body.seed + index) % 2**32}
+            self.manager.register_result_handler(answer.request_id, partial(self._deliver, job, index))
+            self.manager.add_request(**inputs, request_id=answer.request_id, max_new_tokens=new_tokens,
+                                     streaming=True, stop_strings=body.stop, **seed, **body.sampling())
+            self.in_flight += 1
+        logger.info("%s: %d choice(s), %d prompt tokens, up to %d new tokens each", job_id, body.n, prompt_tokens,
+                    new_tokens)
+        return job
+
+    def _deliver(self, job: Job, index: int, output) -> None:
+        """The manager's result handler for one choice (on the event loop)."""
+        if output.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+            job.answers[index].running = False
+            self.in_flight -= 1
+            # The manager keeps these for callers that did not register a handler; this one never reads them.
+            self.manager.timings.pop(output.request_id, None)
+            self.manager._streams.pop(output.request_id, None)
+        job.outputs.put_nowait((index, output))
+
+    # -- a request's way out --------------------------------------------------------------------------------------
+
+    async def _respond(self, request: Request, job: Job, body: _Generation, chat: bool) -> Response:
+        job.watch(request)
+        if body.stream:
+            return StreamingResponse(self._events(job, body, chat), media_type="text/event-stream")
+        try:
+            async for _ in job.updates():
+                pass
+        finally:
+            job.close()
+        if job.error() is not None:
+            raise self._failed(job)
+        choices = [_choice(chat, index, answer.text, answer.finish_reason) for index, answer in enumerate(job.answers)]
+        return JSONResponse({"id": job.id, "object": "chat.completion" if chat else "text_completion",
+                             "created": job.created, "model": self.model_name, "choices": choices,
+                             "usage": job.usage()})
+
+    async def _events(self, job: Job, body: _Generation, chat: bool):
+        """The server-sent events of a streamed response: each choice's role first (chat), its text as it comes, its
+        finish reason, the usage when asked for, `[DONE]`."""
+        usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def event(choices, **extra) -> str:
+            chunk = {"id": job.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": job.created, "model": self.model_name, "choices": choices,
+                     **({"usage": None} if usage else {}), **extra}
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        try:
+            if chat:
+                for index in range(len(job.answers)):
+                    yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            async for index, delta, finish_reason in job.updates():
+                yield event([_choice(chat, index, delta, finish_reason, delta=True)])
+            if job.error() is not None:
+                yield f"data: {json.dumps(self._failed(job).body())}\n\n"
+            elif usage:
+                yield event([], usage=job.usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            job.close()
+
+    def _failed(self, job: Job) -> APIError:
+        """A choice the batch failed: the batch stopped (500), else a request the manager refused (400)."""
+        if self.manager.error is not None:
+            return APIError(500, f"The model's batch stopped on an error: {self.manager.error}; restart the server")
+        return APIError(400, job.error())
+
+
+def _location(loc: tuple) -> str:
+    """A field's place in the body as pydantic gives it, without the repeats its tagged unions add (a part of type
+    "image_url" whose "image_url" is wrong: content.parts.0.image_url, not content.parts.0.image_url.image_url)."""
+    return ".".join(str(part) for index, part in enumerate(loc) if index == 0 or part != loc[index - 1]) or "body"
+
+
+def _choice(chat: bool, index: int, text: str, finish_reason: str | None, delta: bool = False) -> dict:
+    if not chat:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    message = {"content": text} if delta else {"role": "assistant", "content": text}
+    return {"index": index, "delta" if delta else "message": message, "logprobs": None, "finish_reason": finish_reason}
+
+
+def serve(model, processor, model_name: str, host: str = "127.0.0.1", port: int = 8000, **settings) -> None:
+    """Serve `model` until SIGINT / SIGTERM, which drain it (`settings`: `OpenAIServer`'s)."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per image fetched
+    app = OpenAIServer(model, processor, model_name, **settings).app()
+    # uvicorn drains on SIGINT / SIGTERM, then raises the signal again for the handlers it found; these make that a
+    # clean exit.
+    for handled in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(handled, lambda *_: None)
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,373 @@
+"""`python -m qwen3vl_static serve`: one server (a subprocess on 127.0.0.1, a tiny converted checkpoint on the CPU) for
+the module, driven by the `openai` client and raw HTTP. Greedy answers equal `generate`; streamed text equals the
+whole answer; concurrent requests equal the same requests one by one; a disconnect cancels; every bad input gets its
+OpenAI-style error and the server goes on; SIGTERM lets the request in flight finish, then exits cleanly (last)."""
+
+import base64
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+from conftest import image, save_stock_checkpoint
+from openai import BadRequestError, OpenAI
+
+from qwen3vl_static.convert import convert
+from qwen3vl_static.dataset_runner import load_processor
+from qwen3vl_static.media import MediaError, MediaLimits, fetch_image
+from qwen3vl_static.modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
+
+KEY = "test-key"
+NAME = "tiny"
+CACHE_LEN = 1024
+ROOM = CACHE_LEN - 2 * 8  # a row less the steps it may run past its end (steps_per_sync 8)
+MAX_IMAGE_BYTES = 50_000
+SERVER_FLAGS = ["--device", "cpu", "--port", "0", "--served-model-name", NAME, "--api-key", KEY, "--slots", "4",
+                "--cache-len", str(CACHE_LEN), "--max-waiting", "4", "--max-images", "2",
+                "--max-image-pixels", str(128 * 128), "--max-image-mb", str(MAX_IMAGE_BYTES / 2**20),
+                "--max-request-mb", "1", "--media-timeout", "1"]
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+class Server:
+    def __init__(self, process, url, log, repo):
+        self.process, self.url, self.log, self.repo = process, url, log, repo
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for_log(self, pattern: str, after: int = 0, timeout: float = 30) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(pattern, self.log_text()[after:])
+            if found:
+                return found
+            assert self.process.poll() is None, self.log_text()
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} in the server's log:\n{self.log_text()}")
+
+
+class Images(BaseHTTPRequestHandler):
+    """Images over HTTP on 127.0.0.1: /red.png, /big.png (over the size cap), /slow.png (past the timeout)."""
+
+    def do_GET(self):
+        if self.path == "/slow.png":
+            time.sleep(2)
+        body = {"/red.png": png(image(64, 64)), "/big.png": os.urandom(2 * MAX_IMAGE_BYTES)}.get(self.path, b"")
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("server")
+    convert(str(save_stock_checkpoint(folder / "stock")), str(folder / "graph"))
+    (folder / "allowed").mkdir()
+    image(64, 64).save(folder / "allowed" / "red.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+    log = workdir / "server.log"
+    command = [sys.executable, "-m", "qwen3vl_static", "serve", str(workdir / "graph"), *SERVER_FLAGS,
+               "--allowed-local-media-path", str(workdir / "allowed")]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    served = Server(process, None, log, workdir / "graph")
+    try:
+        port = served.wait_for_log(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", timeout=120).group(1)
+        served.url = f"http://127.0.0.1:{port}"
+        yield served
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    host = ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    host.daemon_threads = True
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{host.server_address[1]}"
+    host.shutdown()
+    host.server_close()
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    """(model, processor) of the same checkpoint in this process: `generate`'s answers."""
+    return Qwen3VLGraphForConditionalGeneration.from_pretrained(workdir / "graph", dtype=torch.float32).eval(), \
+        load_processor(workdir / "graph")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def png(picture) -> bytes:
+    buffer = io.BytesIO()
+    picture.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def user(text, *urls) -> list:
+    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": url}} for url in urls),
+                                         {"type": "text", "text": text}]}]
+
+
+def expected(reference, text, max_tokens, pictures=()) -> tuple:
+    """(text, prompt tokens, new tokens) of greedy `generate` on the chat."""
+    model, processor = reference
+    chat = [{"role": "user", "content": [*({"type": "image", "image": picture} for picture in pictures),
+                                         {"type": "text", "text": text}]}]
+    inputs = processor.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                           return_tensors="pt")
+    new = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    answer = processor.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return answer, inputs["input_ids"].shape[1], new.tolist()
+
+
+def sse(response) -> list:
+    """The JSON events of a streamed response, checking that it ends in [DONE]."""
+    lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def post(server, body, path="/v1/chat/completions", **kwargs):
+    return httpx.post(server.url + path, json=body, headers=HEADERS, timeout=60, **kwargs)
+
+
+def test_greedy_answers_equal_generate(server, client, reference, image_host):
+    text, prompt_tokens, new = expected(reference, "Hello there", 12)
+    answer = client.chat.completions.create(model=NAME, messages=user("Hello there"), max_tokens=12, temperature=0)
+    assert answer.id.startswith("chatcmpl-") and answer.object == "chat.completion" and answer.model == NAME
+    assert answer.choices[0].message.content == text and answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, len(new))
+    # An image, as a data URL, over HTTP and from the allowed folder: the same answer as `generate` on it.
+    red = image(64, 64)
+    text = expected(reference, "What is it?", 10, [red])[0]
+    for url in (data_url(png(red)), f"{image_host}/red.png", f"file://{server.repo.parent / 'allowed' / 'red.png'}"):
+        answer = client.chat.completions.create(model=NAME, messages=user("What is it?", url), max_tokens=10,
+                                                temperature=0)
+        assert answer.choices[0].message.content == text
+    # /v1/completions: the prompt as written, no chat template.
+    model, processor = reference
+    inputs = processor.tokenizer("Once upon", return_tensors="pt")
+    new = model.generate(**inputs, max_new_tokens=9, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    completion = client.completions.create(model=NAME, prompt="Once upon", max_tokens=9, temperature=0)
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
+    assert completion.choices[0].text == processor.decode(new, skip_special_tokens=True,
+                                                          clean_up_tokenization_spaces=False)
+    assert completion.usage.completion_tokens == 9
+
+
+def test_streaming_sends_each_choice_as_it_is_drawn(server, client, reference):
+    text, prompt_tokens, new = expected(reference, "Hello there", 40)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=HEADERS, timeout=60, json={
+            "model": NAME, "messages": user("Hello there"), "max_tokens": 40, "temperature": 0, "n": 2,
+            "stream": True, "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = sse(response)
+    assert all(event["object"] == "chat.completion.chunk" and event["id"] == events[0]["id"] for event in events)
+    for index in range(2):
+        deltas = [event["choices"][0] for event in events if event["choices"] and event["choices"][0]["index"] == index]
+        assert deltas[0]["delta"] == {"role": "assistant", "content": ""}  # the role first
+        assert "".join(delta["delta"].get("content", "") for delta in deltas) == text
+        assert [delta["finish_reason"] for delta in deltas][-1] == "length"
+        assert len(deltas) >= 1 + 40 // 8  # the text came chunk by chunk (8 steps each), not at the end
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == {
+        "prompt_tokens": prompt_tokens, "completion_tokens": 2 * len(new),
+        "total_tokens": prompt_tokens + 2 * len(new)}
+    # The openai client reads the same stream.
+    chunks = list(client.chat.completions.create(model=NAME, messages=user("Hello there"), max_tokens=40,
+                                                 temperature=0, stream=True))
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == text
+
+
+def test_stop_strings_end_the_answer_before_them(server, client, reference):
+    text, _, tokens = expected(reference, "Hello there", 30)
+    start = next(index for index in range(5, len(text) - 2) if "\ufffd" not in text[index:index + 2])
+    stop = text[start:start + 2]
+    _, processor = reference
+    for stream in (False, True):
+        answer = client.chat.completions.create(model=NAME, messages=user("Hello there"), max_tokens=30,
+                                                temperature=0, stop=[stop, "never said"], stream=stream,
+                                                **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            chunks = list(answer)
+            content = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+            finish, usage = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1], chunks[-1].usage
+        else:
+            content, finish, usage = answer.choices[0].message.content, answer.choices[0].finish_reason, answer.usage
+        assert content == text[: text.index(stop)] and finish == "stop"
+        # Its tokens: the fewest of the greedy answer that hold the stop string.
+        assert stop in processor.decode(tokens[: usage.completion_tokens])
+        assert stop not in processor.decode(tokens[: usage.completion_tokens - 1])
+
+
+def test_concurrent_requests_equal_the_same_requests_one_by_one(server, client):
+    red = data_url(png(image(64, 64)))
+    blue = data_url(png(image(96, 64, "blue")))
+    requests = [dict(messages=user("Hello there"), max_tokens=20, temperature=0),
+                dict(messages=user("What is it?", red), max_tokens=12, temperature=0),
+                dict(messages=user("Describe both.", red, blue), max_tokens=16, temperature=0),
+                dict(messages=user("Tell me a story"), max_tokens=24, temperature=0.8, top_p=0.9, seed=5),
+                dict(messages=user("Tell me a story"), max_tokens=24, temperature=0.8, seed=6, n=2,
+                     extra_body={"top_k": 20, "min_p": 0.05})]  # vLLM's fields beyond OpenAI's
+
+    def answer(request):
+        return [choice.message.content for choice in client.chat.completions.create(model=NAME, **request).choices]
+
+    one_by_one = [answer(request) for request in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(answer, requests))
+    assert together == one_by_one
+    assert one_by_one[3][0] != one_by_one[4][0] != one_by_one[4][1]  # seeds: each choice its own
+
+
+def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, client, image_host):
+    red = data_url(png(image(64, 64)))
+    # A long request runs through all of it, unaffected.
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client.chat.completions.create, model=NAME, messages=user("Hello there"),
+                              max_tokens=300, temperature=0)
+        bad = [
+            (400, "not JSON", {"content": b"{"}),
+            (400, "JSON object", {"json": ["a list"]}),
+            (400, "messages: Field required", {"json": {"model": NAME}}),
+            (400, "tools: not supported", {"json": {"messages": user("Hi"), "tools": []}}),
+            (400, "content.parts.0: Input tag 'video'", {"json": {"messages": [
+                {"role": "user", "content": [{"type": "video", "video": "x"}]}]}}),
+            (400, "content.parts.0.image_url.url: Field required", {"json": {"messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}}),
+            (400, "temperature: Input should be greater than or equal to 0",
+             {"json": {"messages": user("Hi"), "temperature": -1}}),
+            (400, "top_p", {"json": {"messages": user("Hi"), "top_p": 2}}),
+            (400, "Unknown model 'gpt-4'", {"json": {"model": "gpt-4", "messages": user("Hi")}}),
+            (400, "The prompt is 1", {"json": {"messages": user("x" * CACHE_LEN)}}),
+            (400, "max_tokens=5000 does not fit", {"json": {"messages": user("Hi"), "max_tokens": 5000}}),
+            (400, "n=100 is more than", {"json": {"messages": user("Hi"), "n": 100}}),
+            (400, "Image 1: could not be read as an image",
+             {"json": {"messages": user("Hi", data_url(b"not an image"))}}),
+            (400, "Image 2: 200x200 is 40000 pixels", {"json": {"messages": user("Hi", red, data_url(
+                png(image(200, 200))))}}),
+            (400, "Image 1: 75000 bytes is more than", {"json": {"messages": user("Hi", data_url(bytes(75000)))}}),
+            (400, "3 images in one request", {"json": {"messages": user("Hi", red, red, red)}}),
+            (400, "--max-image-mb", {"json": {"messages": user("Hi", f"{image_host}/big.png")}}),
+            (400, "HTTP 404", {"json": {"messages": user("Hi", f"{image_host}/gone.png")}}),
+            (400, "--media-timeout", {"json": {"messages": user("Hi", f"{image_host}/slow.png")}}),
+            (400, "is outside the folder", {"json": {"messages": user("Hi", "file:///etc/hostname")}}),
+            (400, "is not an image URL", {"json": {"messages": user("Hi", "/etc/hostname")}}),
+            (404, "Not Found", {"json": {}, "path": "/v1/embeddings"}),
+        ]
+        for status, message, request in bad:
+            path = request.pop("path", "/v1/chat/completions")
+            response = httpx.post(server.url + path, headers=HEADERS, timeout=60, **request)
+            assert response.status_code == status, (message, response.text)
+            error = response.json()["error"]
+            assert message in error["message"] and error["code"] == status, (message, error)
+            assert set(error) == {"message", "type", "param", "code"}
+        # A body declared larger than the limit is refused before it is read.
+        connection = HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=60)
+        connection.putrequest("POST", "/v1/chat/completions")
+        for name, value in {**HEADERS, "Content-Length": str(2 * 2**20)}.items():
+            connection.putheader(name, value)
+        connection.endheaders(b"{")
+        response = connection.getresponse()
+        assert response.status == 413 and "--max-request-mb" in json.loads(response.read())["error"]["message"]
+        connection.close()
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.post(server.url + "/v1/chat/completions", headers=headers, json={"messages": user("Hi")})
+            assert response.status_code == 401 and "--api-key" in response.json()["error"]["message"]
+        with pytest.raises(BadRequestError, match="Unknown model"):
+            client.chat.completions.create(model="gpt-4", messages=user("Hi"))
+        assert running.result().choices[0].message.content == client.chat.completions.create(
+            model=NAME, messages=user("Hello there"), max_tokens=300, temperature=0).choices[0].message.content
+
+
+def test_models_and_health(server, client):
+    assert [model.id for model in client.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # no key needed
+
+
+def test_local_files_need_an_allowed_folder(tmp_path):
+    import asyncio
+
+    with pytest.raises(MediaError, match="--allowed-local-media-path"):
+        asyncio.run(fetch_image(f"file://{tmp_path}/red.png", MediaLimits(), None))
+
+
+def test_a_disconnect_cancels_and_a_full_queue_answers_503(server):
+    # Eight long choices fill the 4 rows and the 4 places of the queue.
+    body = {"model": NAME, "messages": user("Hello there"), "max_tokens": ROOM - 40, "temperature": 0, "n": 8,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=HEADERS, timeout=60, json=body) as response:
+        lines = response.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+        next(line for line in lines if '"content": "' in line and '"content": ""' not in line)  # the first text
+        full = post(server, {"messages": user("Hi"), "max_tokens": 4})
+        assert full.status_code == 503 and "The server is full" in full.json()["error"]["message"]
+    server.wait_for_log(rf"{first['id']}: the client disconnected; 8 unfinished choice\(s\) cancelled")
+    # Their rows free up: the next request is answered.
+    deadline = time.monotonic() + 30
+    while (response := post(server, {"messages": user("Hi"), "max_tokens": 4})).status_code == 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    # A client that gives up on a whole answer (not streamed) cancels it too.
+    seen = len(server.log_text())
+    request = json.dumps({"model": NAME, "messages": user("Hello there"), "max_tokens": ROOM - 40, "temperature": 0})
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as connection:
+        connection.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                           f"Content-Length: {len(request)}\r\n\r\n{request}".encode())
+        job = server.wait_for_log(r"(chatcmpl-\w+): 1 choice\(s\)", after=seen).group(1)
+    server.wait_for_log(rf"{job}: the client disconnected; 1 unfinished choice\(s\) cancelled", after=seen)
+
+
+def test_sigterm_lets_the_request_in_flight_finish_then_exits(server, reference):
+    """Last: this stops the module's server."""
+    text = expected(reference, "Hello there", 200)[0]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=HEADERS, timeout=60, json={
+            "model": NAME, "messages": user("Hello there"), "max_tokens": 200, "temperature": 0,
+            "stream": True}) as response:
+        lines = response.iter_lines()
+        received = [next(line for line in lines if '"content": "' in line and '"content": ""' not in line)]
+        server.process.send_signal(signal.SIGTERM)
+        received += list(lines)
+    events = [json.loads(line[len("data: "):]) for line in received if line.startswith("data: {")]
+    assert [line for line in received if line][-1] == "data: [DONE]"
+    assert "".join(event["choices"][0]["delta"].get("content", "") for event in events) == text
+    assert server.process.wait(timeout=30) == 0
+    log = server.log_text()
+    assert "Finished server process" in log and "Traceback" not in log
