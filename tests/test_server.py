@@ -182,8 +182,8 @@ def test_greedy_answers_equal_generate(server, client, reference, image_host):
         assert answer.choices[0].message.content == text
     # /v1/completions: the prompt as written, no chat template.
     model, processor = reference
-    inputs = processor.tokenizer("Once upon", return_tensors="pt")
-    new = model.generate(**inputs, max_new_tokens=9, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    ids = processor.tokenizer("Once upon", return_tensors="pt")["input_ids"]
+    new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, do_sample=False)[0, ids.shape[1]:]
     completion = client.completions.create(model=NAME, prompt="Once upon", max_tokens=9, temperature=0)
     assert completion.object == "text_completion" and completion.id.startswith("cmpl-")
     assert completion.choices[0].text == processor.decode(new, skip_special_tokens=True,
