@@ -5,7 +5,8 @@ A background thread owns the batch. Each turn of its loop
    bad request fails alone here, before anything is written) and cancellations;
 2. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget), and
    prefills them directly through the engine's vision and prefill runners (no `generate` call: its host work would
-   cost more than the prefill), several prompts per launch, padded on the left within groups of one kind;
+   cost more than the prefill), several prompts per launch, padded on the left within groups of one kind; a prompt
+   longer than the budget is prefilled a budget per turn instead, its row parked (`DecodeRunner.park`) until done;
 3. queues the next chunk of `steps_per_sync` decode steps for every row in use, sampling in the graph with each row's
    own parameters and seed (seeded modes: `DecodeRunner.sample`);
 4. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
@@ -34,7 +35,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
-from .compat_qwen3vl_graph import generate_position_ids, prompt_positions
+from .compat_qwen3vl_graph import generate_position_ids, media_features, prompt_positions
 from .loops_qwen3vl_graph import TOP_K_CANDIDATES
 from .runner_qwen3vl_graph import bucket_of
 from .scheduler_qwen3vl_graph import Scheduler, Sequence
@@ -324,31 +325,39 @@ class GraphBatchingManager:
         in_flight = deque()
         while True:
             self._take_in(scheduler, engine, wait=not (scheduler.has_work() or in_flight))
-            entered = scheduler.schedule()
+            # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter.
+            prefilling = [sequence for sequence in scheduler.running.values() if sequence.prefilling]
+            entered = prefilling[:1] or scheduler.schedule()
             chunk, timed = None, engine.device.type == "cuda"
             before = _event() if timed and (entered or scheduler.running) else None
             if entered:
                 chunk = _Chunk(None, {}, 0, *self._enter(entered, engine, scheduler))
-            if scheduler.running:
+            steps = runner.steps_per_sync
+            decoding = {row: sequence for row, sequence in scheduler.running.items() if not sequence.prefilling}
+            if decoding:
                 order = scheduler.compact(lambda rows: bucket_of(runner.batch_buckets, rows))
                 if order is not None:
                     runner.reorder(order)
-                running = scheduler.running
-                runner.continue_rows(scheduler.active_rows(), max(sequence.length for sequence in running.values()))
-                modes = {sequence.mode for sequence in running.values()}
+                    decoding = {row: sequence for row, sequence in scheduler.running.items()
+                                if not sequence.prefilling}
+                # A parked row's inert steps write past its prompt's frontier: the KV bucket covers them too.
+                length = max([sequence.length for sequence in decoding.values()]
+                             + [sequence.prefilled + 2 * steps for sequence in scheduler.running.values()
+                                if sequence.prefilling])
+                runner.continue_rows(scheduler.active_rows(), length)
+                modes = {sequence.mode for sequence in decoding.values()}
                 mode = "greedy" if modes == {"greedy"} else (
                     "sample_seeded" if "sample_seeded" in modes else "sample_top_k_seeded")
-                steps = runner.steps_per_sync
                 chunk = chunk or _Chunk(None, {}, 0, [])
                 between = _event() if timed else None
-                chunk.handle, chunk.owners, chunk.steps = runner.issue(steps, mode), dict(running), steps
-                for sequence in running.values():
+                chunk.handle, chunk.owners, chunk.steps = runner.issue(steps, mode), decoding, steps
+                for sequence in decoding.values():
                     sequence.length += steps
                 if timed:
                     chunk.events = (before, between, _event())
                 self.stats["steps"] += steps
                 self.stats["row_steps"] += runner.batch_size * steps
-                self.stats["request_steps"] += len(running) * steps
+                self.stats["request_steps"] += len(decoding) * steps
             elif chunk is not None and timed:
                 chunk.events = (before, _event(), None)
             if chunk is not None:
@@ -383,7 +392,9 @@ class GraphBatchingManager:
             sequence = scheduler.find(request_id)
             if sequence is None:
                 continue
-            if sequence in scheduler.waiting:
+            if sequence in scheduler.waiting or sequence.prefilling:
+                if sequence.row is not None:
+                    engine.decode.release(sequence.row)
                 self._end(sequence, scheduler, RequestStatus.FAILED, "cancelled")
             else:
                 sequence.cancelled = True  # its row frees when the chunks queued for it are read
@@ -516,7 +527,10 @@ class GraphBatchingManager:
         went_on, tokens = [], []
         for part in parts:
             try:
-                tokens.append(self._prefill(part, engine))
+                first = self._prefill(part, engine)
+                if first is None:  # a long prompt's chunk: more to come
+                    continue
+                tokens.append(first)
                 went_on += part
             except Exception as error:  # noqa: BLE001 - the requests' results name it; the others go on
                 if len(part) == 1:
@@ -541,20 +555,37 @@ class GraphBatchingManager:
             return went_on, (host, copied)
         return went_on, (tokens, None)
 
-    def _prefill(self, part: list, engine) -> torch.Tensor:
-        """One prefill of `part` (prompts of one kind, padded on the left) into their rows; their first tokens."""
+    def _prefill(self, part: list, engine) -> torch.Tensor | None:
+        """One prefill of `part` (prompts of one kind, padded on the left) into their rows; their first tokens. A prompt
+        longer than the budget, alone, is prefilled one budget of it per call: None until its last chunk."""
         model, runner, device = self.model, engine.decode, engine.device
-        prompts = [sequence.prompt for sequence in part]
-        inputs = _joined(prompts, self.generation_config.pad_token_id)
-        length = inputs["input_ids"].shape[1]
-        positions = torch.cat([F.pad(sequence.positions, (length - sequence.prompt_len, 0), value=1)
-                               for sequence in part], dim=1)
-        padded = any(sequence.prompt_len != length for sequence in part)
-        inputs = {key: _to(value, device) for key, value in inputs.items()}
-        inputs["position_ids"] = _to(positions, device)
         rows = _to(torch.tensor([sequence.row for sequence in part]), device)
         cache_rows = _to(torch.tensor([runner.cache_row_of[sequence.row] for sequence in part]), device)
-        logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded)
+        first = part[0]
+        if len(part) == 1 and (first.prefilled or first.prompt_len > self.max_prefill_tokens):
+            start = first.prefilled
+            length = min(first.prompt_len, start + self.max_prefill_tokens)
+            ids = first.prompt["input_ids"][:, :length]
+            inputs = {"input_ids": _to(ids, device), "attention_mask": _to(torch.ones_like(ids), device),
+                      "position_ids": _to(first.positions[..., :length], device)}
+            logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, start, rows=cache_rows, padded=False,
+                                              media=self._media_between(first, start, length, device))
+            first.prefilled = length
+            if first.prefilling:
+                runner.park(rows, length)
+                return None
+            first.media = None
+        else:
+            inputs = _joined([sequence.prompt for sequence in part], self.generation_config.pad_token_id)
+            length = inputs["input_ids"].shape[1]
+            positions = torch.cat([F.pad(sequence.positions, (length - sequence.prompt_len, 0), value=1)
+                                   for sequence in part], dim=1)
+            padded = any(sequence.prompt_len != length for sequence in part)
+            inputs = {key: _to(value, device) for key, value in inputs.items()}
+            inputs["position_ids"] = _to(positions, device)
+            logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded)
+            for sequence in part:
+                sequence.prefilled = sequence.prompt_len
         settings = {name: torch.tensor([sequence.sampling[name] for sequence in part])
                     for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
         runner.set_rows_sampling(rows, settings)
@@ -571,6 +602,20 @@ class GraphBatchingManager:
             sequence.length = length  # its left padding included
             sequence.output.status = RequestStatus.DECODING
         return tokens
+
+    def _media_between(self, sequence: Sequence, start: int, end: int, device) -> list:
+        """`media_features` of the images and videos whose placeholders lie in the prompt's tokens [start, end): the
+        whole prompt's encoded once, then the rows of the placeholders before `start` skipped."""
+        if sequence.media is None:
+            pixels = {key: _to(value, device) for key, value in sequence.prompt.items() if key in JOINED_INPUTS}
+            sequence.media = media_features(self.model, pixels) if pixels else []
+        ids, media = sequence.prompt["input_ids"][0], []
+        for kind, token, features, deepstack in sequence.media:
+            before, inside = int((ids[:start] == token).sum()), int((ids[start:end] == token).sum())
+            if inside:
+                media.append((kind, token, features[before:before + inside],
+                              [layer[before:before + inside] for layer in deepstack]))
+        return media
 
     def _read(self, chunk: _Chunk, scheduler, runner) -> None:
         """The host's half of a chunk: its first tokens and steps' tokens appended to their requests, which end by

@@ -61,6 +61,9 @@ class DecodeRunner(GraphRunner):
         self.eos_ids = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=device)
         self.pad_id = zeros(())
         self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
+        # Rows whose request's long prompt is being prefilled chunk by chunk: inert, but their cache length stays at
+        # the prompt's frontier (their steps write just past it, where the next chunk writes) instead of slot 0.
+        self.parked = torch.zeros(rows, dtype=torch.bool, device=device)
         self.steps_per_sync = steps_per_sync
         self.out_tokens = zeros(rows, steps_per_sync)
         self.out_unfinished = torch.zeros(rows, steps_per_sync, dtype=torch.bool, device=device)
@@ -131,16 +134,25 @@ class DecodeRunner(GraphRunner):
         self.attendable[rows] = True
         self.attendable[rows, : attention_mask.shape[1]] = attention_mask.bool()
         self.unfinished[rows] = True
+        self.parked[rows] = False
+
+    def park(self, rows, length: int) -> None:
+        """Rows `rows` hold the first `length` slots of prompts still being prefilled: they stay inert, and their
+        steps write from slot `length` on (slots the next chunk, or the first decode steps, write again before anything
+        reads them), not over the prompt."""
+        self.cache_lens[rows] = length
+        self.parked[rows] = True
 
     def release(self, row: int) -> None:
         """Row `row` is free again (finished: inert, as `open_slots` leaves it)."""
         self.unfinished[row] = False
+        self.parked[row] = False
 
     def reorder(self, order: list) -> None:
         """Row i takes over everything row `order[i]` held (its request's state and its cache row): continuous
         batching moves the rows in use to the front, so that a step covers them and few others."""
         index = torch.tensor(order, device=self.cache_rows.device)
-        for buffer in (self.input_ids, self.cache_lens, self.cache_rows, self.attendable, self.unfinished,
+        for buffer in (self.input_ids, self.cache_lens, self.cache_rows, self.attendable, self.unfinished, self.parked,
                        self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, self.draws):
             buffer.copy_(buffer.index_select(0, index))
         self.positions.copy_(self.positions.index_select(1, index))
@@ -148,8 +160,9 @@ class DecodeRunner(GraphRunner):
 
     def continue_rows(self, rows: int, length: int) -> None:
         """The next chunk steps the first `rows` rows, the longest of them holding `length` cache slots. Free rows go
-        back to slot 0 of their own cache row first, so however long they stay free they never pass its end."""
-        free = ~self.unfinished
+        back to slot 0 of their own cache row first, so however long they stay free they never pass its end (parked
+        rows stay where `park` put them)."""
+        free = ~self.unfinished & ~self.parked
         self.cache_lens.masked_fill_(free, 0)
         self.positions.masked_fill_(free[None, :, None], 0)
         self.batch_size, self.length = rows, length
@@ -300,6 +313,7 @@ class DecodeRunner(GraphRunner):
         self.positions.zero_()
         self.attendable.fill_(True)
         self.unfinished.fill_(False)
+        self.parked.fill_(False)
 
     def _own_cache_rows(self) -> None:
         """Each row on its own cache row again (after continuous batching)."""

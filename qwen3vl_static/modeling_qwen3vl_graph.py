@@ -427,12 +427,14 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                                    tuple(raw_logits) if raw_logits else None, cache)
         return sequences
 
-    def _prefill_prompt(self, input_ids, model_kwargs, start: int, rows=None, stream=None, padded: bool | None = None):
+    def _prefill_prompt(self, input_ids, model_kwargs, start: int, rows=None, stream=None, padded: bool | None = None,
+                        media=None):
         """Vision tower and prefill of the prompt's tokens from slot `start` on (the cache holds the ones before) into
         the static cache's rows `rows` (a tensor; None: the first rows); returns the float32 logits of the last
         position and the new tokens' M-RoPE positions. `stream`: a CUDA stream to queue the tower and the prefill on,
         after the host reads and what the current stream has queued (None: the current stream). `padded`: whether the
-        attention mask has zeros, when the caller knows (else read back from it)."""
+        attention mask has zeros, when the caller knows (else read back from it). `media`: `media_features` of the
+        new tokens' images and videos, when the caller has them (a long prompt prefilled in chunks encodes once)."""
         new = input_ids[:, start:]
         # The host reads first: after the tower is queued on their stream they would wait for it.
         attention_mask = model_kwargs.get("attention_mask")
@@ -444,7 +446,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
             stream.wait_stream(torch.cuda.current_stream())
             queued_on = torch.cuda.stream(stream)
         with queued_on:
-            media = media_features(self, model_kwargs)  # placeholders and features agree (`_check_generate_inputs`)
+            if media is None:  # placeholders and features agree (`_check_generate_inputs`)
+                media = media_features(self, model_kwargs)
             # Placeholders of a kind with no features are embedded as text, as stock does.
             modality = torch.zeros_like(new)
             visual, deepstack = None, ()

@@ -2,7 +2,7 @@
 
 Host bookkeeping only (no tensors), apart from the runner that computes the steps: requests wait in arrival order;
 `schedule()` admits the first waiting ones into free rows while their prompts fit the prefill token budget (a prompt
-larger than the budget enters alone), lowest rows first; `finish()` frees a row; `compact()` moves the rows in use to
+larger than the budget enters alone, and the manager prefills it a budget per turn), lowest rows first; `finish()` frees a row; `compact()` moves the rows in use to
 the front, so that a step covers them and as few free rows as their batch bucket leaves.
 """
 
@@ -27,6 +27,8 @@ class Sequence:
     streaming: bool = False
     row: int | None = None
     length: int = 0  # cache slots its row holds (prompt, then one per step)
+    prefilled: int = 0  # prompt tokens in its row so far (a long prompt enters in chunks)
+    media: list | None = None  # a prompt prefilled in chunks: its images' and videos' features, encoded once
     delivered: int = 0  # generated tokens already streamed
     cancelled: bool = False
     done: bool = False
@@ -38,6 +40,11 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return self.prompt["input_ids"].shape[1]
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether its prompt is not all in its row yet (it does not decode)."""
+        return self.prefilled < self.prompt_len
 
     @property
     def mode(self) -> str:

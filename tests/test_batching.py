@@ -237,3 +237,24 @@ def test_max_new_tokens_defaults_to_the_room_the_row_leaves():
     length = len(result.prompt_ids)
     assert result.status == RequestStatus.FINISHED
     assert len(result.generated_tokens) == 160 - length - 2 * ours.config.steps_per_sync
+
+
+@pytest.mark.parametrize("pair", [new_pair, bucketed_pair], ids=["exact", "bucketed"])
+def test_a_prompt_longer_than_the_budget_enters_in_chunks(pair):
+    """With a prefill budget of the short prompt's tokens, a text and an image prompt (its image tokens across chunk boundaries) enter a
+    chunk per turn, their rows parked meanwhile, while a short request already running keeps decoding; each generates
+    as alone."""
+    ours, stock = pair(steps_per_sync=2)
+    short = build(([[chat("Hi")]], {}))
+    budget = short["input_ids"].shape[1]
+    requests, expected = requests_and_expected(stock, 3, lengths=[12, 7, 9], cases=[TEXT, CASES[3], CASES[0]])
+    requests[0] = {**short, "max_new_tokens": 12}
+    assert min(request["input_ids"].shape[1] for request in requests[1:]) > budget
+    events = record_work(ours)
+    manager = ours.init_continuous_batching(max_prefill_tokens=budget)
+    results = manager.generate_all(requests, progress_bar=False)
+    assert [result.generated_tokens for result in results.values()] == expected
+    prefills = [rows for kind, rows in events if kind == "prefill"]
+    assert len(prefills) > 4 and set(prefills) == {1}  # the long prompts a chunk at a time
+    chunks = [index for index, event in enumerate(events) if event[0] == "prefill"]
+    assert all(events[index + 1][0] == "decode" for index in chunks[:-1])  # the others decode between chunks
