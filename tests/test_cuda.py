@@ -215,10 +215,12 @@ def test_multi_tile_attention_splits_agree_with_stock(models, monkeypatch):
     assert agreement["delta"] < MAX_LOG_PROB_DELTA, agreement["report"]
 
 
-def test_continuous_batching_graph_equals_eager_and_agrees_with_stock(models):
+@pytest.mark.parametrize("max_prefill_tokens", [8192, 200])
+def test_continuous_batching_graph_equals_eager_and_agrees_with_stock(models, max_prefill_tokens):
     """Continuous batching in bf16: 12 requests (text and 448x448-image prompts, uneven answer lengths) over the 8
-    cache rows. The graphs give the tokens of the same schedule run eagerly, and each request's tokens are the stock
-    full-sequence forward's top-1 wherever its margin exceeds twice the log-prob deviation the test above allows."""
+    cache rows; with a budget of 200 tokens the longer prompts enter in chunks. The graphs give the tokens of the same
+    schedule run eagerly, and each request's tokens are the stock full-sequence forward's top-1 wherever its margin
+    exceeds twice the log-prob deviation the test above allows."""
     ours, stock = models
     generator = torch.Generator().manual_seed(9)
     requests = [{**(image_prompt(ours.config, "cuda", generator) if index % 3 == 0
@@ -229,7 +231,8 @@ def test_continuous_batching_graph_equals_eager_and_agrees_with_stock(models):
         ours.set_cuda_graphs(graphs)
         try:
             # The fixture's cache (not sized for these requests from memory: the other tests share it).
-            results = ours.generate_batch(requests, progress_bar=False, max_batch_size=8, static_cache_len=1024)
+            results = ours.generate_batch(requests, progress_bar=False, max_batch_size=8, static_cache_len=1024,
+                                          max_prefill_tokens=max_prefill_tokens)
         finally:
             ours.set_cuda_graphs(True)
         assert [result.error for result in results.values()] == [None] * len(requests)
