@@ -124,8 +124,6 @@ class GraphBatchingManager:
         self._stopping = threading.Event()
         self._thread = None
         self.error = None  # what ended the batch itself, if anything did
-        # Per request id, `time.perf_counter()` when it was added, when its first token was drawn, when it finished.
-        self.timings = {}
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU, decode
         # steps, row-steps queued (rows covered x steps) and of them held by a request.
         self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "host_wait_ms", "steps", "row_steps", "request_steps"), 0)
@@ -153,22 +151,26 @@ class GraphBatchingManager:
             self._thread.join(timeout)
 
     def add_request(self, input_ids, request_id: str | None = None, max_new_tokens: int | None = None,
-                    streaming: bool = False, **kwargs) -> str:
+                    streaming: bool = False, record_timestamps: bool = False, **kwargs) -> str:
         """Queue one request: `input_ids` (a list of ids, or a `(n,)` / `(1, n)` tensor, best on the CPU); `kwargs`
         are its own generation settings (`REQUEST_SETTINGS`) and its model inputs (the processor's `pixel_values`,
         `image_grid_thw`, ... for this one prompt). `streaming`: its tokens are delivered as they are drawn (through
-        `request_id_iter` or a registered handler), each output holding every token so far. Returns its request id."""
+        `request_id_iter` or a registered handler), each output holding every token so far. `record_timestamps`: its
+        output's `timestamps` hold, per generated token, the `time.perf_counter()` at which the host read it (its
+        `created_time` is when it was added). Returns its request id."""
         # Nothing here touches the device: a CUDA call from this thread would break a graph that the batch's thread
         # may be capturing. The batch's thread checks the request when it takes it in.
         if request_id is None:
             request_id = f"req_{next(self._request_ids)}"
-        self.timings[request_id] = {"added": time.perf_counter()}
+        output = GenerationOutput(request_id=request_id)
+        output.created_time = time.perf_counter()  # (4.57's output has no such field)
+        output.timestamps = [] if record_timestamps else None
         settings = {key: kwargs.pop(key) for key in REQUEST_SETTINGS if key in kwargs}
         if max_new_tokens is not None:
             settings["max_new_tokens"] = max_new_tokens
         if streaming:
             self._streams[request_id] = queue.Queue()
-        self.input_queue.put((GenerationOutput(request_id=request_id), input_ids, kwargs, settings, streaming))
+        self.input_queue.put((output, input_ids, kwargs, settings, streaming))
         return request_id
 
     def add_requests(self, inputs, **kwargs) -> list:
@@ -270,6 +272,8 @@ class GraphBatchingManager:
         with self._lock:
             handler = self._handlers.pop(output.request_id, None) if final else self._handlers.get(output.request_id)
         if handler is not None:
+            if final:  # the handler took every output: nothing waits on the request's queue
+                self._streams.pop(output.request_id, None)
             callback, loop = handler
             if loop is None:
                 callback(output)
@@ -283,7 +287,6 @@ class GraphBatchingManager:
     def _end(self, sequence: Sequence, scheduler, status, error=None) -> None:
         output = sequence.output
         output.status, output.error = status, error
-        self.timings[output.request_id]["finished"] = time.perf_counter()
         scheduler.finish(sequence)
         self._deliver(sequence, final=True)
 
@@ -382,7 +385,6 @@ class GraphBatchingManager:
                 output, streaming = item[0], item[4]
                 sequence = Sequence(output, {}, None, 0, streaming=streaming)
                 output.status, output.error = RequestStatus.FAILED, f"{type(error).__name__}: {error}"
-                self.timings[output.request_id]["finished"] = time.perf_counter()
                 self._deliver(sequence, final=True)
         while True:
             try:
@@ -625,9 +627,7 @@ class GraphBatchingManager:
             tokens, copied = chunk.first_tokens
             if copied is not None:
                 copied.synchronize()
-            now = time.perf_counter()
             for sequence, token in zip(chunk.entered, tokens.tolist()):
-                self.timings[sequence.request_id]["first_token"] = now
                 if not sequence.done:
                     self._append(sequence, [token], scheduler, runner)
                     touched.add(sequence)
@@ -657,9 +657,12 @@ class GraphBatchingManager:
 
     def _append(self, sequence: Sequence, tokens: list, scheduler, runner) -> None:
         """Record a request's new tokens up to its end; at its end, its result goes out and its row frees."""
-        generated = sequence.output.generated_tokens
+        generated, timestamps = sequence.output.generated_tokens, sequence.output.timestamps
+        now = time.perf_counter()
         for token in tokens:
             generated.append(token)
+            if timestamps is not None:
+                timestamps.append(now)
             if (token in sequence.eos_ids or len(generated) >= sequence.max_new_tokens
                     or (sequence.stop_strings and self._stopped(sequence))):
                 runner.release(sequence.row)
@@ -667,11 +670,12 @@ class GraphBatchingManager:
                 return
 
     def _stopped(self, sequence: Sequence) -> bool:
-        """Whether the answer's text now ends in one of its stop strings (the tail decoded: a stop string spans at most
-        as many tokens as it has characters)."""
+        """Whether the answer's text now holds one of its stop strings, ending in its last token or inside it (a token
+        may hold a stop string and more). Only the tail is decoded: a stop string spans at most as many tokens as it
+        has characters, and one that ended earlier would have stopped the request then."""
         longest = max(len(stop) for stop in sequence.stop_strings)
         tail = self.tokenizer.decode(sequence.output.generated_tokens[-longest - 1:])
-        return any(tail.endswith(stop) for stop in sequence.stop_strings)
+        return any(stop in tail for stop in sequence.stop_strings)
 
 
 def _event() -> torch.cuda.Event:

@@ -44,12 +44,12 @@ def continuous(model, prompts, lengths, max_batch_size=None, **manager_settings)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     began = time.perf_counter()
-    results = manager.generate_all(requests, progress_bar=False)
+    results = manager.generate_all(requests, progress_bar=False, record_timestamps=True)
     seconds = time.perf_counter() - began
     failed = [result.error for result in results.values() if result.error]
     assert not failed, f"requests failed: {failed[:3]}"
     assert [len(result.generated_tokens) for result in results.values()] == lengths, "a request generated another length"
-    ttft = sorted(1000 * (manager.timings[i]["first_token"] - manager.timings[i]["added"]) for i in results)
+    ttft = sorted(1000 * (result.timestamps[0] - result.created_time) for result in results.values())
     row = {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds, "requests_per_s": len(results) / seconds,
            "rows": model.config.max_batch_size, "static_cache_len": model.config.static_cache_len,
            "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],

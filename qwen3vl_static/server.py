@@ -420,9 +420,6 @@ class OpenAIServer:
         if output.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
             job.answers[index].running = False
             self.in_flight -= 1
-            # The manager keeps these for callers that did not register a handler; this one never reads them.
-            self.manager.timings.pop(output.request_id, None)
-            self.manager._streams.pop(output.request_id, None)
         job.outputs.put_nowait((index, output))
 
     # -- a request's way out --------------------------------------------------------------------------------------

@@ -143,6 +143,18 @@ def test_stop_strings_end_a_request_where_its_text_ends_in_one():
                                     {**inputs, "max_new_tokens": 10}], progress_bar=False)
     stopped, full = results.values()
     assert stopped.generated_tokens == greedy[:cut] and full.generated_tokens == greedy
+    # A stop string inside one token's text (a token may hold it and more) stops the request at that token: here
+    # tokens decode as "[id]", and the stop string is the 4th token's text less its bracket.
+    class Bracketed:
+        @staticmethod
+        def decode(tokens):
+            return "".join(f"[{token}]" for token in tokens)
+
+    inner = f"[{greedy[3]}"
+    cut = next(count for count in range(1, 11) if inner in Bracketed.decode(greedy[:count]))
+    bracketed = ours.init_continuous_batching(tokenizer=Bracketed())
+    inside = bracketed.generate_all([{**inputs, "max_new_tokens": 10, "stop_strings": inner}], progress_bar=False)
+    assert cut <= 4 and next(iter(inside.values())).generated_tokens == greedy[:cut]
     refused = ours.generate_batch([{**inputs, "stop_strings": "x"}], progress_bar=False)["req_0"]
     assert refused.status == RequestStatus.FAILED and "tokenizer" in refused.error
 
