@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         "run",
         help="answer a JSONL file of chat requests by continuous batching",
         description="Answer every chat request of INPUT (one JSON object per line: id, messages with image paths, "
-        "URLs or base64, optional max_new_tokens / temperature / top_k / top_p / eos_token_id) by continuous batching "
+        "URLs or base64, optional per-request settings such as max_new_tokens / temperature / seed) by continuous batching "
         "on the graph engine, appending each answer to OUTPUT as it finishes; a rerun skips ids OUTPUT holds.",
     )
     runner.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub repo id (stock or converted)")
