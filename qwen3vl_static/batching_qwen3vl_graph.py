@@ -35,8 +35,9 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.utils import logging
 from transformers.utils.logging import tqdm
 
+from .cache_qwen3vl_graph import kv_heads_and_dim
 from .compat_qwen3vl_graph import generate_position_ids, media_features, prompt_positions
-from .loops_qwen3vl_graph import TOP_K_CANDIDATES
+from .loops_qwen3vl_graph import TOP_K_CANDIDATES, first_tokens
 from .runner_qwen3vl_graph import bucket_of
 from .scheduler_qwen3vl_graph import Scheduler, Sequence
 
@@ -58,9 +59,22 @@ MAX_SLOTS = 512  # past this many rows a step's KV reads grow with the rows and 
 
 def kv_bytes_per_slot(config, dtype: torch.dtype) -> int:
     """Bytes of K and V one cache slot holds across the layers."""
-    text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    kv_heads, head_dim = kv_heads_and_dim(config)
+    layers = config.get_text_config(decoder=True).num_hidden_layers
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def steps_past_end(steps_per_sync: int) -> int:
+    """Steps a row may run past its request's end: the rest of its chunk and the chunk queued after it."""
+    return 2 * steps_per_sync
+
+
+def batch_mode(modes: set) -> str:
+    """The decode mode that serves rows of these modes (`Sequence.mode`): greedy only when every row is; a greedy row
+    among sampled ones samples with top-k 1, its argmax."""
+    if modes == {"greedy"}:
+        return "greedy"
+    return "sample_seeded" if "sample_seeded" in modes else "sample_top_k_seeded"
 
 
 def device_memory(device) -> tuple | None:
@@ -345,12 +359,10 @@ class GraphBatchingManager:
                                 if not sequence.prefilling}
                 # A parked row's inert steps write past its prompt's frontier: the KV bucket covers them too.
                 length = max([sequence.length for sequence in decoding.values()]
-                             + [sequence.prefilled + 2 * steps for sequence in scheduler.running.values()
+                             + [sequence.prefilled + steps_past_end(steps) for sequence in scheduler.running.values()
                                 if sequence.prefilling])
                 runner.continue_rows(scheduler.active_rows(), length)
-                modes = {sequence.mode for sequence in decoding.values()}
-                mode = "greedy" if modes == {"greedy"} else (
-                    "sample_seeded" if "sample_seeded" in modes else "sample_top_k_seeded")
+                mode = batch_mode({sequence.mode for sequence in decoding.values()})
                 chunk = chunk or _Chunk(None, {}, 0, [])
                 between = _event() if timed else None
                 chunk.handle, chunk.owners, chunk.steps = runner.issue(steps, mode), decoding, steps
@@ -504,9 +516,8 @@ class GraphBatchingManager:
 
     @staticmethod
     def past_end(engine) -> int:
-        """Steps a row may run past its request's end: the rest of its chunk and the chunk queued after it
-        (`cache_len_for` counts them too)."""
-        return 2 * engine.decode.steps_per_sync
+        """`steps_past_end` of the engine's decode runner: slots a row holds beyond its prompt and answer."""
+        return steps_past_end(engine.decode.steps_per_sync)
 
     def _enter(self, entered: list, engine, scheduler) -> tuple:
         """Prefill the admitted `entered` into their rows, draw their first tokens and set the rows decoding; returns
@@ -588,16 +599,10 @@ class GraphBatchingManager:
             logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded)
             for sequence in part:
                 sequence.prefilled = sequence.prompt_len
-        settings = {name: torch.tensor([sequence.sampling[name] for sequence in part])
+        settings = {name: _to(torch.tensor([sequence.sampling[name] for sequence in part]), device)
                     for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
         runner.set_rows_sampling(rows, settings)
-        modes = {sequence.mode for sequence in part}
-        tokens = logits.argmax(dim=-1)
-        if modes != {"greedy"}:
-            mode = "sample_seeded" if "sample_seeded" in modes else "sample_top_k_seeded"
-            sampled = runner.sample(logits, rows, mode)
-            greedy = _to(torch.tensor([not sequence.do_sample for sequence in part]), device)
-            tokens = torch.where(greedy, tokens, sampled)
+        tokens = first_tokens(runner, logits, batch_mode({sequence.mode for sequence in part}), rows)
         next_positions = _to(torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1), device)
         runner.admit(rows, tokens, next_positions, inputs["attention_mask"])
         for sequence in part:
@@ -670,11 +675,13 @@ class GraphBatchingManager:
                 return
 
     def _stopped(self, sequence: Sequence) -> bool:
-        """Whether the answer's text now holds one of its stop strings, ending in its last token or inside it (a token
-        may hold a stop string and more). Only the tail is decoded: a stop string spans at most as many tokens as it
-        has characters, and one that ended earlier would have stopped the request then."""
-        longest = max(len(stop) for stop in sequence.stop_strings)
-        tail = self.tokenizer.decode(sequence.output.generated_tokens[-longest - 1:])
+        """Whether the answer's text (special tokens left out, as a server shows it) now holds one of its stop strings,
+        ending in its last token or inside it (a token may hold a stop string and more). Only the tail is decoded: a
+        stop string spans at most as many tokens as it has UTF-8 bytes (+1 for a character the tail starts inside),
+        and one that ended earlier would have stopped the request then."""
+        longest = max(len(stop.encode()) for stop in sequence.stop_strings)
+        tail = self.tokenizer.decode(sequence.output.generated_tokens[-longest - 1:], skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
         return any(stop in tail for stop in sequence.stop_strings)
 
 
@@ -728,4 +735,4 @@ def cache_len_for(inputs, default_new_tokens: int | None, steps_per_sync: int) -
             return None
         length = len(ids) if isinstance(ids, (list, tuple)) else ids.shape[-1]
         longest = max(longest, length + new_tokens)
-    return 64 * math.ceil((longest + 2 * steps_per_sync) / 64)
+    return 64 * math.ceil((longest + steps_past_end(steps_per_sync)) / 64)

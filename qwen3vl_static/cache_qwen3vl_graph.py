@@ -14,12 +14,17 @@ from transformers.cache_utils import StaticCache
 from .compat_qwen3vl_graph import allocate_layer, record_length, rewind_layers, share_length_counters
 
 
+def kv_heads_and_dim(config) -> tuple:
+    """(KV heads, head dim) of each layer's cache: one slot of a layer holds a key and a value of this shape."""
+    text_config = config.get_text_config(decoder=True)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return text_config.num_key_value_heads, head_dim
+
+
 class ASStaticCache(StaticCache):
     def __init__(self, config, max_batch_size: int, static_cache_len: int, device, dtype: torch.dtype):
         super().__init__(config=config, max_cache_len=static_cache_len)
-        text_config = config.get_text_config(decoder=True)
-        kv_heads = text_config.num_key_value_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        kv_heads, head_dim = kv_heads_and_dim(config)
         shape = torch.empty(max_batch_size, kv_heads, 0, head_dim, device=device, dtype=dtype)
         for layer in self.layers:
             allocate_layer(layer, shape)  # the stock allocation, once, at full size

@@ -107,12 +107,11 @@ class DecodeRunner(GraphRunner):
         self.min_p[rows] = 0.0 if min_p is None else min_p
 
     def set_rows_sampling(self, rows, settings) -> None:
-        """Per-row sampling parameters of `rows` (a `(b,)` tensor), each a host tensor `(b,)` of `settings`:
+        """Per-row sampling parameters of `rows` (a `(b,)` tensor), each a `(b,)` tensor on the device in `settings`:
         temperature, top_k, top_p, min_p, seed (continuous batching admits requests of their own settings)."""
-        device = self.temperature.device
         for buffer, name in ((self.temperature, "temperature"), (self.top_k, "top_k"), (self.top_p, "top_p"),
                              (self.min_p, "min_p"), (self.seeds, "seed")):
-            buffer[rows] = settings[name].to(device, buffer.dtype, non_blocking=True)
+            buffer[rows] = settings[name].to(buffer.dtype)
         self.draws[rows] = 0
 
     # -- rows that start and stop on their own (continuous batching) ---------------------------------------

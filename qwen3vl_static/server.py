@@ -201,11 +201,9 @@ class Job:
         while not all(answer.done for answer in self.answers):
             index, output = await self.outputs.get()
             answer = self.answers[index]
-            if answer.done:  # the cancellation of a choice that ended at a stop string
+            if answer.done:  # an output after the one that ended the choice
                 continue
             delta = answer.advance(output)
-            if answer.done and answer.running:  # ended at a stop string inside a token: its row frees now
-                self._cancel_request(answer.request_id)
             if delta or answer.finish_reason:
                 yield index, delta, answer.finish_reason
 

@@ -147,7 +147,7 @@ def test_stop_strings_end_a_request_where_its_text_ends_in_one():
     # tokens decode as "[id]", and the stop string is the 4th token's text less its bracket.
     class Bracketed:
         @staticmethod
-        def decode(tokens):
+        def decode(tokens, **kwargs):
             return "".join(f"[{token}]" for token in tokens)
 
     inner = f"[{greedy[3]}"
@@ -270,3 +270,21 @@ def test_a_prompt_longer_than_the_budget_enters_in_chunks(pair):
     assert len(prefills) > 4 and set(prefills) == {1}  # the long prompts a chunk at a time
     chunks = [index for index, event in enumerate(events) if event[0] == "prefill"]
     assert all(events[index + 1][0] == "decode" for index in chunks[:-1])  # the others decode between chunks
+
+
+def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():
+    """A byte-level tokenizer spends a token per UTF-8 byte: the tail decoded for a stop string of one 3-byte
+    character spans its bytes, not its one character."""
+    from qwen3vl_static.batching_qwen3vl_graph import GraphBatchingManager
+    from qwen3vl_static.scheduler_qwen3vl_graph import Sequence
+    from transformers.generation.continuous_batching.requests import GenerationOutput
+
+    class ByteTokens:
+        @staticmethod
+        def decode(tokens, **kwargs):
+            return bytes(tokens).decode("utf-8", errors="replace")
+
+    manager = GraphBatchingManager(new_pair()[0], tokenizer=ByteTokens())
+    output = GenerationOutput(request_id="bytes", generated_tokens=list("ab好".encode()))
+    assert manager._stopped(Sequence(output, {}, None, 10, stop_strings=("好",)))
+    assert not manager._stopped(Sequence(output, {}, None, 10, stop_strings=("好x",)))
