@@ -7,8 +7,9 @@ A background thread owns the batch. Each turn of its loop
    prefills them directly through the engine's vision and prefill runners (no `generate` call: its host work would
    cost more than the prefill), several prompts per launch, padded on the left within groups of one kind; a prompt
    longer than the budget is prefilled a budget per turn instead, its row parked (`DecodeRunner.park`) until done;
-3. queues the next chunk of `steps_per_sync` decode steps for every row in use, sampling in the graph with each row's
-   own parameters and seed (seeded modes: `DecodeRunner.sample`);
+3. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
+   `StreamingSteps`), sampling in the graph with each row's own parameters and seed (seeded modes:
+   `DecodeRunner.sample`);
 4. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
    request by its own rules (EOS ids, max_new_tokens, stop strings, cancellation) and streams tokens.
 Running rows thus wait for at most one prefill budget per chunk. No graph is captured per request: decode graphs are
@@ -103,6 +104,22 @@ def slots_from_memory(free: int, total: int, held: int, slot_bytes: int, cache_l
     return rows, why
 
 
+class StreamingSteps:
+    """Decode steps per chunk while some running request streams. A chunk's tokens reach their clients when the host
+    reads the chunk, so one step per chunk sends each token as it is drawn, where `steps_per_sync` would send them in
+    bursts; but every chunk costs the host a read. So: as few steps as keep the GPU busy. Doubles (up to
+    `steps_per_sync`) when the GPU had run out of queued work by the time the host queued more (the host fell
+    behind: many streams), one step fewer when it had not; without a measure (no CUDA events) it stays put."""
+
+    def __init__(self, most: int):
+        self.most, self.steps = most, 1
+
+    def next(self, gpu_idle: bool | None) -> int:
+        if gpu_idle is not None:
+            self.steps = min(self.most, 2 * self.steps) if gpu_idle else max(1, self.steps - 1)
+        return self.steps
+
+
 @dataclass
 class _Chunk:
     """Work queued on the device whose results the host has not read yet."""
@@ -113,6 +130,11 @@ class _Chunk:
     entered: list  # sequences prefilled before the steps, whose first tokens `first_tokens` holds
     first_tokens: object = None
     events: tuple = ()  # CUDA timing events before the prefill, between it and the steps, after the steps
+
+    def finished(self) -> bool | None:
+        """Whether the device has run all of it (None: no events to tell)."""
+        recorded = [event for event in self.events if event is not None]
+        return recorded[-1].query() if recorded else None
 
 
 class GraphBatchingManager:
@@ -339,18 +361,20 @@ class GraphBatchingManager:
     def _loop(self, engine, scheduler) -> None:
         runner = engine.decode
         runner.open_slots(self.generation_config.pad_token_id)
-        in_flight = deque()
+        in_flight, streaming_steps = deque(), StreamingSteps(runner.steps_per_sync)
         while True:
             self._take_in(scheduler, engine, wait=not (scheduler.has_work() or in_flight))
             # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter.
             prefilling = [sequence for sequence in scheduler.running.values() if sequence.prefilling]
             entered = prefilling[:1] or scheduler.schedule()
             chunk, timed = None, engine.device.type == "cuda"
+            gpu_idle = in_flight[-1].finished() if in_flight else None  # before this turn queues anything
             before = _event() if timed and (entered or scheduler.running) else None
             if entered:
                 chunk = _Chunk(None, {}, 0, *self._enter(entered, engine, scheduler))
-            steps = runner.steps_per_sync
             decoding = {row: sequence for row, sequence in scheduler.running.items() if not sequence.prefilling}
+            streams = any(sequence.streaming for sequence in decoding.values())
+            steps = streaming_steps.next(gpu_idle) if streams else runner.steps_per_sync
             if decoding:
                 order = scheduler.compact(lambda rows: bucket_of(runner.batch_buckets, rows))
                 if order is not None:

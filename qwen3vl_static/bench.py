@@ -3,7 +3,8 @@
 Random bf16 weights with the exact shapes of a preset (`--model`: Qwen3-VL-2B, 4B or 8B; speed does not depend on
 weight values); with `--fp8` also ours with the same weights in Qwen's FP8 format; with `--serving` also the shapes
 users run (`serving`: sampled decoding, a batch of image prompts, long contexts, batch 64); with `--batching` many
-requests by continuous batching as users run it (`batching`, bench_batching.py). Every number comes from tokens
+requests by continuous batching as users run it (`batching`, bench_batching.py); with `--server` only the OpenAI
+server under concurrent streaming clients over HTTP (`server`, bench_server.py). Every number comes from tokens
 really generated: decode ms/step is the slope between two generation lengths (prefill cancels out), and every run's
 token count is checked. EOS is disabled so all systems generate the same number of tokens.
 """
@@ -315,6 +316,10 @@ def run(args) -> dict:
              "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]), "model": args.model}
     if args.batching_only:
         return {**about, "batching": batching(args, settings, torch.Generator().manual_seed(0))}
+    if args.server:
+        from .bench_server import server_rows  # needs the serve extra
+
+        return {**about, "server": server_rows(args)}
     ours, stock = build_models(device, dtype, args.model, **settings)
     generator = torch.Generator().manual_seed(0)
     prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in args.batch_sizes}
@@ -401,9 +406,17 @@ def report(summary, out_dir: Path) -> Path:
         print_table(summary["batching"], ["workload", "system", "run", "rows", "static_cache_len", "useful_tokens_per_s",
                                           "requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "peak_mem_gb", "seconds",
                                           "tokens_equal_eager_static_path"])
+    if "server" in summary:
+        server = summary["server"]
+        print("OpenAI server, streaming clients (each a 448x448 image + 30-token question, 128 new tokens):")
+        print_table(server["rows"], ["run", "concurrency", "requests", "output_tokens_per_s", "ttft_ms_p50",
+                                     "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "tokens_per_chunk",
+                                     "answers_as_asked"])
+        print("answers equal to generate at the first concurrency:",
+              next(value for key, value in server.items() if key.endswith("_answers_equal_generate")))
     out_dir.mkdir(parents=True, exist_ok=True)
     name = summary["device"].replace(" ", "-").lower() + ("" if summary["model"] == "2b" else f"-{summary['model']}")
-    name += "" if "results" in summary else "-batching"
+    name += "" if "results" in summary else "-server" if "server" in summary else "-batching"
     path = out_dir / f"{name}-{summary['date'].replace('-', '')}.json"
     path.write_text(json.dumps(summary, indent=2))
     plot(summary, path.with_suffix(".png"))

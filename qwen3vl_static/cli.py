@@ -119,6 +119,12 @@ def main(argv=None) -> int:
                        help="the --batching workloads to run (default: both)")
     bench.add_argument("--batching-slots", type=int, nargs="*", default=[256, 512],
                        help="rows set by hand for the --batching text workload, beside the defaults (default: 256 512)")
+    bench.add_argument("--server", action="store_true",
+                       help="only the OpenAI server's measurement: `serve` in a process of its own, 1 / 16 / 64 / 256 "
+                       "streaming clients over HTTP, each a 448x448 image + 30-token question and 128 new tokens "
+                       "(its own JSON, *-server-DATE.json; needs the serve extra)")
+    bench.add_argument("--server-concurrency", type=int, nargs="+", default=[1, 16, 64, 256],
+                       help="the --server concurrencies (default: 1 16 64 256)")
     bench.add_argument("--out", type=Path, default=Path("bench/results"))
     bench.set_defaults(run=_bench)
 

@@ -27,6 +27,9 @@ SPECIAL_TOKENS = [
 ]
 TINY_VOCAB = 256 + len(SPECIAL_TOKENS)
 TINY_IDS = {token: 256 + index for index, token in enumerate(SPECIAL_TOKENS)}
+# Their ids in Qwen's own tokenizer (every dense Qwen3-VL).
+QWEN_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
+            "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<|video_pad|>": 151656}
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -112,11 +115,29 @@ def tiny_config(**overrides) -> Qwen3VLGraphConfig:
 
 def tiny_tokenizer():
     """A byte-level tokenizer that knows Qwen's special tokens and chat format (built offline)."""
+    return _byte_level_tokenizer(TINY_IDS, TINY_VOCAB)
+
+
+def real_ids_tokenizer(model: str = "2b"):
+    """`tiny_tokenizer` with Qwen's special-token ids and the `model` preset's vocabulary size: every id that is
+    neither a byte nor a special token is a three-letter filler token. A random-weight model of the real shapes then
+    runs through a processor (the server benchmark), and every token it draws decodes to visible text."""
+    return _byte_level_tokenizer(QWEN_IDS, real_config_dict(model)["text_config"]["vocab_size"])
+
+
+def _byte_level_tokenizer(special_ids: dict, vocab_size: int):
+    """Byte tokens at ids 0..255, `special_ids`' tokens at their ids, fillers at the others up to `vocab_size`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
+    letters = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # bytes that decode to themselves
+    taken = set(special_ids.values())
+    for index in range(len(vocab), vocab_size):
+        if index not in taken:  # never produced by encoding (no merges): decoding only
+            vocab[letters[index // 62**2 % 62] + letters[index // 62 % 62] + letters[index % 62]] = index
+    vocab.update(special_ids)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()

@@ -10,7 +10,7 @@ from conftest import bucketed_pair, build, chat, image, new_pair
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 import qwen3vl_static.modeling_qwen3vl_graph as modeling
-from qwen3vl_static.batching_qwen3vl_graph import kv_bytes_per_slot, slots_from_memory
+from qwen3vl_static.batching_qwen3vl_graph import StreamingSteps, kv_bytes_per_slot, slots_from_memory
 from qwen3vl_static.presets import tiny_tokenizer
 
 CASES = [([[chat("image", "What is it?")]], {"images": [image(64, 64)]}), ([[chat("Hi")]], {}),
@@ -159,6 +159,14 @@ def test_stop_strings_end_a_request_where_its_text_ends_in_one():
     assert refused.status == RequestStatus.FAILED and "tokenizer" in refused.error
 
 
+def test_streaming_chunks_are_as_short_as_keep_the_gpu_busy():
+    steps = StreamingSteps(most=8)
+    assert [steps.next(gpu_idle=None)] == [1]  # no measure: one step
+    assert [steps.next(gpu_idle=True) for _ in range(5)] == [2, 4, 8, 8, 8]  # the host fell behind: longer chunks
+    assert [steps.next(gpu_idle=False) for _ in range(9)] == [7, 6, 5, 4, 3, 2, 1, 1, 1]
+    assert [steps.next(gpu_idle=None), steps.next(gpu_idle=True), steps.next(gpu_idle=None)] == [1, 2, 2]
+
+
 def test_streaming_delivers_tokens_as_they_are_drawn_and_cancel_frees_the_row():
     ours, stock = new_pair(max_batch_size=2, steps_per_sync=2)
     inputs = build(TEXT)
@@ -169,10 +177,11 @@ def test_streaming_delivers_tokens_as_they_are_drawn_and_cancel_frees_the_row():
     try:
         streamed = manager.add_request(**inputs, max_new_tokens=9, streaming=True)
         outputs = list(manager.request_id_iter(streamed))
-        assert len(outputs) >= 4  # the first token, then a chunk of two at a time
+        # The first token with the first step's, then one token per output: a streaming batch's chunks start at one
+        # step (and stay there without CUDA events to tell whether the host keeps up: `StreamingSteps`).
+        assert [len(output.generated_tokens) for output in outputs] == list(range(2, 10))
         for before, after in zip(outputs, outputs[1:]):
             assert after.generated_tokens[: len(before.generated_tokens)] == before.generated_tokens
-            assert len(after.generated_tokens) > len(before.generated_tokens)
         assert outputs[-1].status == RequestStatus.FINISHED and outputs[-1].generated_tokens == expected
         assert all(output.status == RequestStatus.DECODING for output in outputs[:-1])
         # A long request cancelled after its first tokens: it ends as cancelled and its row serves the next ones.

@@ -219,8 +219,9 @@ def test_multi_tile_attention_splits_agree_with_stock(models, monkeypatch):
 def test_continuous_batching_graph_equals_eager_and_agrees_with_stock(models, max_prefill_tokens):
     """Continuous batching in bf16: 12 requests (text and 448x448-image prompts, uneven answer lengths) over the 8
     cache rows; with a budget of 200 tokens the longer prompts enter in chunks. The graphs give the tokens of the same
-    schedule run eagerly, and each request's tokens are the stock full-sequence forward's top-1 wherever its margin
-    exceeds twice the log-prob deviation the test above allows."""
+    schedule run eagerly, and each request's tokens, also streamed (chunks as short as keep the GPU busy: another
+    schedule), are the stock full-sequence forward's top-1 wherever its margin exceeds twice the log-prob deviation
+    the test above allows."""
     ours, stock = models
     generator = torch.Generator().manual_seed(9)
     requests = [{**(image_prompt(ours.config, "cuda", generator) if index % 3 == 0
@@ -238,8 +239,17 @@ def test_continuous_batching_graph_equals_eager_and_agrees_with_stock(models, ma
         assert [result.error for result in results.values()] == [None] * len(requests)
         tokens[graphs] = [result.generated_tokens for result in results.values()]
     assert tokens[True] == tokens[False]
+    manager = ours.init_continuous_batching(max_batch_size=8, static_cache_len=1024,
+                                            max_prefill_tokens=max_prefill_tokens)
+    manager.start()
+    try:
+        ids = [manager.add_request(**request, streaming=True) for request in requests]
+        streamed = [list(manager.request_id_iter(request_id))[-1] for request_id in ids]
+    finally:
+        manager.stop()
+    assert [result.error for result in streamed] == [None] * len(requests)
     decisive = 0
-    for request, generated in zip(requests, tokens[True]):
+    for request, generated in zip(requests * 2, tokens[True] + [result.generated_tokens for result in streamed]):
         assert len(generated) == request["max_new_tokens"]  # no EOS (generate_exactly_as_asked)
         prompt = {key: value for key, value in request.items() if key != "max_new_tokens"}
         sequence = torch.cat([prompt["input_ids"], torch.tensor([generated[:-1]], device="cuda")], dim=1)

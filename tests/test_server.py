@@ -24,6 +24,7 @@ import torch
 from conftest import image, save_stock_checkpoint
 from openai import BadRequestError, OpenAI
 
+from qwen3vl_static.bench_server import chat_body, closed_loop, summarize
 from qwen3vl_static.convert import convert
 from qwen3vl_static.dataset_runner import load_processor
 from qwen3vl_static.media import MediaError, MediaLimits, fetch_image
@@ -353,6 +354,30 @@ def test_a_disconnect_cancels_and_a_full_queue_answers_503(server):
                            f"Content-Length: {len(request)}\r\n\r\n{request}".encode())
         job = server.wait_for_log(r"(chatcmpl-\w+): 1 choice\(s\)", after=seen).group(1)
     server.wait_for_log(rf"{job}: the client disconnected; 1 unfinished choice\(s\) cancelled", after=seen)
+
+
+def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
+    """`bench --server`'s clients (two at a time, four requests): each streamed answer equals `generate`'s, and the
+    figures count every chunk and token."""
+    import asyncio
+
+    model, processor = reference
+    urls = [data_url(png(image(64, 32 + 16 * index))) for index in range(4)]
+    bodies = [chat_body(index, url, model=NAME, new_tokens=12) for index, url in enumerate(urls)]
+    answers, seconds = asyncio.run(closed_loop(server.url, bodies, 2, headers=HEADERS))
+    for answer, body in zip(answers, bodies):
+        image_part, text_part = body["messages"][0]["content"]
+        picture = asyncio.run(fetch_image(image_part["image_url"]["url"], MediaLimits(), client=None))
+        chat = [{"role": "user", "content": [{"type": "image", "image": picture}, text_part]}]
+        inputs = processor.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                               return_tensors="pt")
+        new = model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+        assert answer["text"] == processor.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert answer["sent"] < answer["arrivals"][0] and len(answer["arrivals"]) > 1
+    row = summarize(answers, seconds, new_tokens=12)
+    assert row["requests"] == 4 and row["answers_as_asked"] == 4
+    assert row["output_tokens_per_s"] == pytest.approx(4 * 12 / seconds)
+    assert 1 <= row["tokens_per_chunk"] < 12 and row["ttft_ms_p50"] > 0 and row["itl_ms_p99"] >= row["itl_ms_p50"]
 
 
 def test_sigterm_lets_the_request_in_flight_finish_then_exits(server, reference):

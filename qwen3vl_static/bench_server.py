@@ -1,0 +1,250 @@
+"""`bench --server`: the OpenAI server under concurrent streaming clients, over real HTTP on one machine.
+
+The server is `serve`'s, with its defaults (cache rows sized from the GPU's memory), in a process of its own: the
+preset's shapes with random weights (seed 0), EOS off, and a processor whose tokenizer has Qwen's special-token ids
+(`real_ids_tokenizer`) and whose image processor is the checkpoint's. The clients are asyncio tasks of this process,
+each streaming one chat completion after another (a closed loop at each concurrency): a 448x448 JPEG as a data URL
+and a QUESTION_TOKENS-token question, NEW_TOKENS new tokens, greedy. Every concurrency runs twice in a row: the first
+pass meets the graph captures and kernel measurements on the way, the second runs on them; both are reported.
+
+Reported per concurrency: TTFT (request sent to its first text, HTTP and image decoding included), inter-token latency
+(between a stream's text chunks, as vLLM's benchmark counts it; with the tokens per chunk beside it), time per output
+token (a request's time after its first text over its other tokens), output tokens/s (the completion tokens the server
+reports, over the wall time). Checked: every answer has NEW_TOKENS tokens and finish reason "length", and at
+concurrency 1 the answers are compared with `generate` on the same prompts in this process after the server stops.
+"""
+
+import argparse
+import asyncio
+import base64
+import gc
+import io
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .presets import ASSETS, real_ids_tokenizer
+from .workloads import build_ours, generate_exactly_as_asked
+
+CONCURRENCY = (1, 16, 64, 256)
+REQUESTS_PER_CLIENT = 4
+MIN_REQUESTS = 16
+IMAGE_SIDE = 448
+QUESTION_TOKENS = 30
+NEW_TOKENS = 128
+NAME = "qwen3vl-static-bench"
+START_TIMEOUT_S = 900  # the server builds its model first
+
+
+def bench_processor(model: str = "2b"):
+    """The processor the server and the reference share: the preset's image processor (the fast one where torchvision
+    is installed, as a user's full processor has it) and `real_ids_tokenizer`."""
+    from transformers import AutoImageProcessor, Qwen2VLImageProcessor
+
+    from .dataset_runner import ImageChatProcessor
+
+    folder = ASSETS / f"qwen3-vl-{model}"
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(folder)
+    except ImportError:
+        image_processor = Qwen2VLImageProcessor.from_pretrained(folder)
+    return ImageChatProcessor(real_ids_tokenizer(model), image_processor)
+
+
+def server_main(argv=None) -> None:
+    """The server's process: `serve` on the bench model until SIGTERM."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="2b")
+    args = parser.parse_args(argv)
+    from .server import serve
+
+    model = build_ours(torch.device("cuda"), torch.bfloat16, args.model)
+    generate_exactly_as_asked(model)
+    serve(model, bench_processor(args.model), NAME, port=args.port)
+
+
+def image_url(generator: np.random.Generator) -> str:
+    """A JPEG data URL of a smooth random picture (colour gradients and boxes: the size of a photo's JPEG, not
+    noise's)."""
+    y, x = np.mgrid[0:IMAGE_SIDE, 0:IMAGE_SIDE] / IMAGE_SIDE
+    pixels = np.stack([generator.uniform(0, 255) * x + generator.uniform(0, 255) * y for _ in range(3)], axis=-1) / 2
+    for _ in range(6):
+        top, left = generator.integers(0, IMAGE_SIDE - 64, 2)
+        pixels[top:top + 64, left:left + 64] = generator.uniform(0, 255, 3)
+    data = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(data, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(data.getvalue()).decode()
+
+
+def question(index: int) -> str:
+    """QUESTION_TOKENS characters, one token each."""
+    return f"Request {index}: what does this picture show, in detail?".ljust(QUESTION_TOKENS)[:QUESTION_TOKENS]
+
+
+def chat_body(index: int, url: str, model: str = NAME, new_tokens: int = NEW_TOKENS) -> dict:
+    return {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": new_tokens,
+            "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question(index)}]}]}
+
+
+async def stream_one(client, url: str, body: dict) -> dict:
+    """One streamed chat completion: when it was sent, when each text chunk came, its text, usage and finish reason."""
+    sent, arrivals, pieces, usage, finish = time.perf_counter(), [], [], None, None
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                if choice["delta"].get("content"):
+                    arrivals.append(time.perf_counter())
+                    pieces.append(choice["delta"]["content"])
+                finish = choice["finish_reason"] or finish
+    return {"sent": sent, "arrivals": arrivals, "text": "".join(pieces), "usage": usage, "finish_reason": finish}
+
+
+async def closed_loop(base: str, bodies: list, concurrency: int, headers: dict | None = None) -> tuple:
+    """`bodies` through `concurrency` clients, each sending its next as soon as its last ended: (answers, seconds)."""
+    import httpx
+
+    pending, answers = iter(enumerate(bodies)), [None] * len(bodies)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits, headers=headers) as client:
+        async def client_loop():
+            for index, body in pending:
+                answers[index] = await stream_one(client, "/v1/chat/completions", body)
+
+        began = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        return answers, time.perf_counter() - began
+
+
+def percentile(values: list, fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def summarize(answers: list, seconds: float, new_tokens: int = NEW_TOKENS) -> dict:
+    ttft = [1000 * (answer["arrivals"][0] - answer["sent"]) for answer in answers]
+    itl = [1000 * (after - before) for answer in answers for before, after in zip(answer["arrivals"], answer["arrivals"][1:])]
+    tokens = [answer["usage"]["completion_tokens"] for answer in answers]
+    tpot = [1000 * (answer["arrivals"][-1] - answer["arrivals"][0]) / (count - 1) for answer, count in zip(answers, tokens)]
+    return {"requests": len(answers), "seconds": seconds, "output_tokens_per_s": sum(tokens) / seconds,
+            "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": percentile(ttft, 0.99),
+            "itl_ms_p50": statistics.median(itl), "itl_ms_p99": percentile(itl, 0.99),
+            "tpot_ms_p50": statistics.median(tpot), "tpot_ms_p99": percentile(tpot, 0.99),
+            "tokens_per_chunk": sum(tokens) / sum(len(answer["arrivals"]) for answer in answers),
+            "prompt_tokens": answers[0]["usage"]["prompt_tokens"],
+            "answers_as_asked": sum(count == new_tokens and answer["finish_reason"] == "length"
+                                    for answer, count in zip(answers, tokens))}
+
+
+def wait_until_up(base: str, process, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}): {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not start within {START_TIMEOUT_S} s: {log.read_text()[-2000:]}")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def reference_answers(model_name: str, urls: list, indices: list) -> list:
+    """`generate`'s answers to the chat bodies of `indices`, in this process (the server's weights and processor)."""
+    from .media import MediaLimits, fetch_image
+
+    device = torch.device("cuda")
+    model = build_ours(device, torch.bfloat16, model_name)
+    generate_exactly_as_asked(model)
+    processor, texts = bench_processor(model_name), []
+    for index in indices:
+        image = asyncio.run(fetch_image(urls[index], MediaLimits(), client=None))  # as the server reads it
+        messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                                 {"type": "text", "text": question(index)}]}]
+        inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                               return_tensors="pt").to(device)
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS)
+        texts.append(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True,
+                                      clean_up_tokenization_spaces=False))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return texts
+
+
+def server_rows(args) -> dict:
+    """The --server measurement: each concurrency's row per pass, and the concurrency-1 answers against `generate`."""
+    generator = np.random.default_rng(0)
+    levels = args.server_concurrency
+    counts = {level: max(MIN_REQUESTS, REQUESTS_PER_CLIENT * level) for level in levels}
+    urls = [image_url(generator) for _ in range(max(counts.values()))]
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False) as file:
+        log = Path(file.name)
+    rows, first_level_answers = [], None
+    with log.open("w") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static.bench_server", "--port", str(port),
+                                    "--model", args.model], stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        began = time.perf_counter()
+        wait_until_up(base, process, log)
+        start_s = time.perf_counter() - began
+        for run in ("first", "second"):
+            for level in levels:
+                bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
+                answers, seconds = asyncio.run(closed_loop(base, bodies, level))
+                row = {"run": run, "concurrency": level, **summarize(answers, seconds)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if run == "second" and level == levels[0]:
+                    first_level_answers = answers
+    finally:
+        process.terminate()  # SIGTERM: the server drains and exits
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    indices = list(range(counts[levels[0]]))
+    expected = reference_answers(args.model, urls, indices)
+    equal = sum(answer["text"] == text for answer, text in zip(first_level_answers, expected))
+    return {"rows": rows, "server_start_s": start_s, "server_log_tail": log.read_text()[-4000:],
+            f"concurrency_{levels[0]}_answers_equal_generate": f"{equal}/{len(indices)}",
+            "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG data URL",
+            "image_processor": type(bench_processor(args.model).image_processor).__name__,
+            "question_tokens": QUESTION_TOKENS,
+            "new_tokens": NEW_TOKENS}
+
+
+if __name__ == "__main__":
+    server_main()
