@@ -110,3 +110,13 @@ def test_token_ids_outside_the_vocabulary_raise(tiny_pair, token):
     vocab = ours.config.text_config.vocab_size
     model_inputs["input_ids"][1, -2] = vocab if token == "vocab" else token
     assert_rejected_before_writing(ours, stock, model_inputs, rf"outside the vocabulary \[0, {vocab}\)")
+
+
+@pytest.mark.parametrize("name", ["input_ids", "attention_mask", "pixel_values"])
+def test_tensors_on_the_meta_device_raise_naming_the_argument(tiny_pair, name):
+    """A meta tensor has a shape and no data: named before anything reads it (not "Cannot copy out of meta tensor")."""
+    ours, stock = tiny_pair
+    model_inputs = build(PROMPT)
+    model_inputs[name] = model_inputs[name].to("meta")
+    assert_rejected_before_writing(ours, stock, model_inputs,
+                                   rf"^{name} is on the meta device.*Pass real tensors, on the model's device \(cpu\)")
