@@ -8,6 +8,7 @@ scales, bitsandbytes, compressed-tensors, ...) is named by `unsupported_weights`
 transformers' own modules.
 """
 
+import copy
 import math
 from typing import NamedTuple
 
@@ -75,6 +76,45 @@ def fused_fp8_scales(linears) -> tuple:
     scales = [linear.weight_scale_inv.detach().repeat_interleave(repeat, 0)[: -(-linear.out_features // rows)]
               for linear in linears]
     return torch.cat(scales), rows
+
+
+def untileable_linears(model, block) -> list:
+    """The names of `model`'s plain linears whose weights do not divide into `block`s (rows, inputs), as the 8B's
+    vision MLP (4,304 wide) does not into 128 x 128."""
+    return [name for name, module in model.named_modules()
+            if type(module) is nn.Linear and (module.out_features % block[0] or module.in_features % block[1])]
+
+
+def _setting(quantization_config, name, default=None):
+    """A field of a quantization config, given as a transformers config object or as its dict."""
+    if isinstance(quantization_config, dict):
+        return quantization_config.get(name, default)
+    return getattr(quantization_config, name, default)
+
+
+def quantizes_fp8_at_load(quantization_config) -> bool:
+    """Whether `from_pretrained(..., quantization_config=...)` asks transformers for fine-grained FP8 weights."""
+    method = _setting(quantization_config, "quant_method")
+    return getattr(method, "value", method) == "fp8" and not _setting(quantization_config, "dequantize", False)
+
+
+def fp8_at_load_config(quantization_config, model):
+    """`quantization_config` (a `FineGrainedFP8Config` or its dict, to quantize an unquantized checkpoint at load) with
+    `model`'s linears that do not divide into its blocks added to `modules_to_not_convert` (to transformers' default,
+    the output embeddings, where it names none): they keep the checkpoint's dtype, as Qwen's FP8 checkpoints keep
+    what they do not convert. transformers cannot scale them: 5.x leaves their `weight_scale_inv` uninitialized
+    ("MISSING" in the load report; 5.17 also casts their weights to e4m3 unscaled) and 4.57 refuses them."""
+    block = _setting(quantization_config, "weight_block_size")
+    skipped = _setting(quantization_config, "modules_to_not_convert")
+    if skipped is None:
+        output = model.get_output_embeddings()
+        skipped = [name for name, module in model.named_modules() if module is output]
+    kept = [*skipped, *(name for name in untileable_linears(model, block) if name not in skipped)] if block else skipped
+    if isinstance(quantization_config, dict):
+        return {**quantization_config, "modules_to_not_convert": kept}
+    quantization_config = copy.deepcopy(quantization_config)
+    quantization_config.modules_to_not_convert = kept
+    return quantization_config
 
 
 def unsupported_weights(model) -> str | None:

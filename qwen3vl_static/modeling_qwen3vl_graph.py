@@ -13,11 +13,13 @@ code path, and so does a model whose linear layers are quantized in a format the
 fine-grained FP8 weights run on the fast path: fp8_qwen3vl_graph.py).
 """
 
+import copy
 import threading
 from contextlib import contextmanager, nullcontext
 from operator import is_
 
 import torch
+from transformers import PretrainedConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLModel
 from transformers.utils import logging
@@ -35,7 +37,7 @@ from .cache_qwen3vl_graph import ASStaticCache
 from .compat_qwen3vl_graph import CACHE_KWARG, first_decode_positions, generate_output, media_features, prompt_positions
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 from .engine_qwen3vl_graph import GraphEngine
-from .fp8_qwen3vl_graph import unsupported_weights
+from .fp8_qwen3vl_graph import fp8_at_load_config, quantizes_fp8_at_load, unsupported_weights
 from .loops_qwen3vl_graph import device_loop, device_plan, host_loop
 from .prefill_ahead_qwen3vl_graph import prefill_ahead
 from .vision_qwen3vl_graph import Qwen3VLGraphPatchEmbed, Qwen3VLGraphVisionModel
@@ -63,6 +65,8 @@ logger = logging.get_logger(__name__)
 
 _LOOP_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 _STEP_ATTENTION = ("sdpa", "eager")
+# What `from_pretrained` passes on to find a checkpoint's config.json.
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
 
 
 class Qwen3VLGraphModel(Qwen3VLModel):
@@ -160,6 +164,23 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                     self._prefilled.join()
                     self._prefilled = None
                     engine.cache.clear()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """transformers' `from_pretrained`. Quantizing an unquantized checkpoint at load
+        (`quantization_config=FineGrainedFP8Config(...)`), the linears that do not divide into its blocks (the 8B's
+        vision MLP) keep the checkpoint's dtype (`fp8_at_load_config`)."""
+        quantization_config = kwargs.get("quantization_config")
+        if quantizes_fp8_at_load(quantization_config):
+            config = kwargs.get("config")
+            if not isinstance(config, PretrainedConfig):  # the shapes, from the checkpoint's config
+                hub = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
+                config = cls.config_class.from_pretrained(config or pretrained_model_name_or_path, **hub)
+            if getattr(config, "quantization_config", None) is None:  # else quantized already: its own choices hold
+                with torch.device("meta"):
+                    skeleton = cls(copy.deepcopy(config))
+                kwargs["quantization_config"] = fp8_at_load_config(quantization_config, skeleton)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @contextmanager
     def backend_flags(self):
