@@ -206,10 +206,20 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
         with self._engine.text.separate_weights() if self._engine is not None else nullcontext():
             return super().save_pretrained(save_directory, *args, **kwargs)
 
-    # transformers would wrap each decode step in torch.compile(mode="reduce-overhead") as soon as it sees a
-    # static cache on CUDA: our loop never calls that step, and the fallback paths should not compile either.
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
-        return False
+        """Whether transformers' own loop (the paths it runs: `_static_loop_blocker`) compiles its decode step.
+        Stock compiles it whenever the cache is static on CUDA; here only a call that asks (`compile_config`) gets
+        that, and only on a cache of transformers' own: the persistent cache is written outside that step (prefill,
+        graphs) at addresses that captured graphs hold."""
+        if generation_config.compile_config is None:
+            return False
+        if self._engine is not None and model_kwargs.get(CACHE_KWARG) is self._engine.cache:
+            logger.warning_once(
+                f"{type(self).__name__}: compile_config is not used with this model's persistent cache (returned by "
+                "generate and passed back): transformers' loop runs its forward eagerly on it."
+            )
+            return False
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def graph_engine(self) -> GraphEngine:
         """The engine of the fast path (cache, kernels, graphs, runners), built on first use and again once the
@@ -425,6 +435,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
                 cache.tokens = None
             return super()._sample(
                 input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+            )
+        if generation_config.compile_config is not None:
+            logger.warning_once(
+                f"{type(self).__name__}: compile_config is not used: this model's own decode step runs instead (CUDA "
+                "graphs of fused kernels on a GPU, the same step eagerly on the CPU). It applies where transformers' "
+                "own loop runs on its own cache (e.g. with output_hidden_states=True)."
             )
         if prefilled is not None and prefilled.serves(input_ids, model_kwargs, start):
             logits, positions = prefilled.join()

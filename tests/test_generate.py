@@ -3,11 +3,12 @@
 import pytest
 import torch
 from transformers import (
-    CompileConfig, LogitsProcessor, LogitsProcessorList, Qwen3VLConfig, Qwen3VLForConditionalGeneration, TextIteratorStreamer,
+    CompileConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, Qwen3VLConfig, Qwen3VLForConditionalGeneration, TextIteratorStreamer,
 )
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from conftest import build, chat, image
+from conftest import build, chat, image, new_pair
+from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG
 from qwen3vl_static.ops_sample_qwen3vl_graph import sample_tokens
 from qwen3vl_static.presets import TINY_IDS, tiny_config_dict, tiny_inputs, tiny_tokenizer
 
@@ -189,27 +190,50 @@ def test_beam_search_falls_back_with_one_warning(tiny_pair, caplog):
     assert len(messages) == 1 and "beam_search" in messages[0]
 
 
-def test_no_automatic_compile(tiny_pair, monkeypatch):
-    """transformers wraps the forward in torch.compile when its loop decodes on a static cache (on CUDA, or on any device
-    with `compile_config._compile_all_devices`): the stock model does here; neither our loop nor our fallback to the
-    stock loop may."""
-    ours, _ = tiny_pair
-    compiled = []
+def test_compile_config_compiles_transformers_loop_only(monkeypatch, caplog):
+    """`compile_config` compiles the decode step of transformers' own loop: where that loop runs on its own cache
+    (here `output_hidden_states`) it compiles as stock does; where our decode step runs instead, or transformers' loop
+    runs on our persistent cache, one notice says it is not used. Without a compile_config nothing compiles, even
+    where stock compiles on its own (a static cache on CUDA)."""
+    ours, stock = new_pair()
+    compiled = []  # the forwards handed to torch.compile
     monkeypatch.setattr(torch, "compile", lambda function, **options: compiled.append(function) or function)
     compile_config = CompileConfig()
-    compile_config._compile_all_devices = True
+    compile_config._compile_all_devices = True  # compile on the CPU too
     model_inputs = build((TEXT, {}))
     kwargs = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", compile_config=compile_config)
-    torch.manual_seed(0)
-    Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).eval().generate(**model_inputs, **kwargs)
-    assert compiled
-    compiled.clear()
-    ours.static_cache()
-    ours._engine.decode.length = -1  # `used_static_loop` sees whether a request started since
-    ours.generate(**model_inputs, **kwargs)
-    assert used_static_loop(ours)
-    ours.generate(**model_inputs, output_hidden_states=True, return_dict_in_generate=True, **kwargs)  # the stock loop
-    assert not compiled
+
+    def ours_compiled():
+        return any(getattr(function, "__self__", None) is ours for function in compiled)
+
+    def notices(text):
+        return [record for record in caplog.records if text in record.getMessage()]
+
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            first, _ = assert_same_generate(ours, stock, model_inputs, return_dict_in_generate=True, **kwargs)
+            assert used_static_loop(ours)
+    assert not ours_compiled()
+    assert len(notices("compile_config is not used: this model's own decode step runs instead")) == 1
+    assert any(getattr(function, "__self__", None) is stock for function in compiled)
+
+    # transformers' loop on our persistent cache, passed back: not compiled, said once.
+    input_ids = torch.cat([first.sequences, model_inputs["input_ids"][:, -3:]], dim=1)
+    with caplog.at_level("WARNING"):
+        ours.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), output_hidden_states=True,
+                      return_dict_in_generate=True, **{CACHE_KWARG: first.past_key_values}, **kwargs)
+    assert not ours_compiled()
+    assert len(notices("compile_config is not used with this model's persistent cache")) == 1
+
+    # transformers' loop on its own static cache: compiled, as stock, same tokens.
+    assert_same_generate(ours, stock, model_inputs, output_hidden_states=True, return_dict_in_generate=True, **kwargs)
+    assert ours_compiled() and not used_static_loop(ours)
+
+    # No compile_config: stock would compile on a GPU; we do not.
+    monkeypatch.setattr(Qwen3VLForConditionalGeneration, "device", property(lambda model: torch.device("cuda")))
+    static = {CACHE_KWARG: ours.static_cache()}
+    assert stock._valid_auto_compile_criteria(static, GenerationConfig())
+    assert not ours._valid_auto_compile_criteria(static, GenerationConfig())
 
 
 def test_inputs_embeds_run_the_stock_loop(tiny_pair):
