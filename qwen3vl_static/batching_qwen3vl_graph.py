@@ -107,17 +107,34 @@ def slots_from_memory(free: int, total: int, held: int, slot_bytes: int, cache_l
 class StreamingSteps:
     """Decode steps per chunk while some running request streams. A chunk's tokens reach their clients when the host
     reads the chunk, so one step per chunk sends each token as it is drawn, where `steps_per_sync` would send them in
-    bursts; but every chunk costs the host a read. So: as few steps as keep the GPU busy. Doubles (up to
-    `steps_per_sync`) when the GPU had run out of queued work by the time the host queued more (the host fell
-    behind: many streams), one step fewer when it had not; without a measure (no CUDA events) it stays put."""
+    bursts; but every chunk costs the host a read and the clients an output each. So: as few steps as the host and
+    the clients keep up with. Doubles (up to `steps_per_sync`) when they fell behind the GPU (it had run out of queued
+    work by the time the host queued more, or an event loop had not yet run the outputs handed to it a chunk
+    before), one step fewer when they kept up; without a measure (no CUDA events) it stays put."""
 
     def __init__(self, most: int):
         self.most, self.steps = most, 1
 
-    def next(self, gpu_idle: bool | None) -> int:
-        if gpu_idle is not None:
-            self.steps = min(self.most, 2 * self.steps) if gpu_idle else max(1, self.steps - 1)
+    def next(self, behind: bool | None) -> int:
+        if behind is not None:
+            self.steps = min(self.most, 2 * self.steps) if behind else max(1, self.steps - 1)
         return self.steps
+
+
+class _Delivery:
+    """One chunk's outputs for the result handlers of one event loop, handed over in one wake-up of the loop (not one
+    per output); `taken` once they ran."""
+
+    def __init__(self, calls: list):
+        self.calls, self.taken = calls, False
+
+    def run(self) -> None:
+        for callback, output in self.calls:
+            try:
+                callback(output)
+            except Exception:  # noqa: BLE001 - one handler's failure is its own; the others still get theirs
+                logger.exception(f"The result handler of {output.request_id} failed")
+        self.taken = True
 
 
 @dataclass
@@ -157,6 +174,9 @@ class GraphBatchingManager:
         self._handlers = {}  # request id -> (callback, event loop or None)
         self._lock = threading.Lock()
         self._request_ids = itertools.count()
+        self._outbox = None  # (loop, callback, output) of the chunk being read, handed over together
+        self._handed = []  # the `_Delivery`s of the last chunk read
+        self._clients_behind = False  # an event loop had not run the outputs of the chunk before the last one read
         self._stopping = threading.Event()
         self._thread = None
         self.error = None  # what ended the batch itself, if anything did
@@ -313,6 +333,8 @@ class GraphBatchingManager:
             callback, loop = handler
             if loop is None:
                 callback(output)
+            elif self._outbox is not None:
+                self._outbox.append((loop, callback, output))
             else:
                 loop.call_soon_threadsafe(callback, output)
         elif sequence.streaming:
@@ -369,12 +391,13 @@ class GraphBatchingManager:
             entered = prefilling[:1] or scheduler.schedule()
             chunk, timed = None, engine.device.type == "cuda"
             gpu_idle = in_flight[-1].finished() if in_flight else None  # before this turn queues anything
+            behind = None if gpu_idle is None else gpu_idle or self._clients_behind
             before = _event() if timed and (entered or scheduler.running) else None
             if entered:
                 chunk = _Chunk(None, {}, 0, *self._enter(entered, engine, scheduler))
             decoding = {row: sequence for row, sequence in scheduler.running.items() if not sequence.prefilling}
             streams = any(sequence.streaming for sequence in decoding.values())
-            steps = streaming_steps.next(gpu_idle) if streams else runner.steps_per_sync
+            steps = streaming_steps.next(behind) if streams else runner.steps_per_sync
             if decoding:
                 order = scheduler.compact(lambda rows: bucket_of(runner.batch_buckets, rows))
                 if order is not None:
@@ -528,15 +551,17 @@ class GraphBatchingManager:
         cache, past_end = engine.cache, self.past_end(engine)
         length = sequence.prompt_len
         new_tokens = value("max_new_tokens")
-        if new_tokens is None:  # as a server does: as many as the row holds
-            new_tokens = cache.capacity - length - past_end
-        needed = length + new_tokens + past_end
-        if new_tokens < 1 or needed > cache.capacity:
+        if new_tokens is not None and new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {new_tokens}.")
+        room = cache.capacity - length - past_end
+        if (new_tokens or 1) > room:
             raise ValueError(
-                f"The request does not fit a cache row: a {length}-token prompt and max_new_tokens={new_tokens} (at "
-                f"least 1) need {needed} slots with the {past_end} steps a row may run past its end, and a row holds "
-                f"{cache.capacity} (static_cache_len). Ask for fewer new tokens or raise static_cache_len.")
-        sequence.max_new_tokens = new_tokens
+                f"The request does not fit a cache row: a {length}-token prompt and "
+                f"{'at least 1 new token' if new_tokens is None else f'max_new_tokens={new_tokens}'} need "
+                f"{length + (new_tokens or 1) + past_end} slots with the {past_end} steps a row may run past its end, "
+                f"and a row holds {cache.capacity} (static_cache_len). Ask for fewer new tokens or raise "
+                "static_cache_len.")
+        sequence.max_new_tokens = room if new_tokens is None else new_tokens  # unset: as many as the row holds
 
     @staticmethod
     def past_end(engine) -> int:
@@ -650,7 +675,21 @@ class GraphBatchingManager:
 
     def _read(self, chunk: _Chunk, scheduler, runner) -> None:
         """The host's half of a chunk: its first tokens and steps' tokens appended to their requests, which end by
-        their own rules (their rows free for the next admissions), streamed outputs delivered."""
+        their own rules (their rows free for the next admissions), streamed outputs delivered (those of handlers on
+        an event loop in one wake-up per loop)."""
+        self._outbox = []
+        try:
+            self._read_tokens(chunk, scheduler, runner)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            calls = {}
+            for loop, callback, output in outbox:
+                calls.setdefault(loop, []).append((callback, output))
+            self._handed = [_Delivery(batch) for batch in calls.values()]
+            for loop, delivery in zip(calls, self._handed):
+                loop.call_soon_threadsafe(delivery.run)
+
+    def _read_tokens(self, chunk: _Chunk, scheduler, runner) -> None:
         touched, began = set(), time.perf_counter()
         if chunk.entered:
             tokens, copied = chunk.first_tokens
@@ -663,6 +702,7 @@ class GraphBatchingManager:
         if chunk.handle is not None:
             tokens, _ = runner.collect(chunk.handle)
         self.stats["host_wait_ms"] += 1000 * (time.perf_counter() - began)
+        self._clients_behind = not all(delivery.taken for delivery in self._handed)  # they had a chunk's time
         if chunk.events:
             before, between, after = chunk.events
             self.stats["prefill_ms"] += before.elapsed_time(between)

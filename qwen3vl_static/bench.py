@@ -412,8 +412,9 @@ def report(summary, out_dir: Path) -> Path:
         print_table(server["rows"], ["run", "concurrency", "requests", "output_tokens_per_s", "ttft_ms_p50",
                                      "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "tokens_per_chunk",
                                      "answers_as_asked"])
-        print("answers equal to generate at the first concurrency:",
-              next(value for key, value in server.items() if key.endswith("_answers_equal_generate")))
+        for key, value in server.items():
+            if "_generate" in key:
+                print(f"{key}: {value}")
     out_dir.mkdir(parents=True, exist_ok=True)
     name = summary["device"].replace(" ", "-").lower() + ("" if summary["model"] == "2b" else f"-{summary['model']}")
     name += "" if "results" in summary else "-server" if "server" in summary else "-batching"
@@ -453,8 +454,8 @@ def report_decode(summary) -> None:
 
 
 def plot(summary, path) -> None:
-    """Decode ms/step by batch size per system; beside it, with --batching, each system's useful tokens/s (nothing
-    without matplotlib)."""
+    """Decode ms/step by batch size per system; beside it, with --batching, each system's useful tokens/s; with
+    --server, output tokens/s and inter-token latency by concurrency (nothing without matplotlib)."""
     try:
         import matplotlib
 
@@ -462,22 +463,37 @@ def plot(summary, path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    batching = [row for row in summary.get("batching", []) if "useful_tokens_per_s" in row]
-    panels = ("results" in summary) + bool(batching)
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
-    ax = axes[0][0]
     decode = [r for r in summary.get("results", []) if "decode_ms_per_step" in r]
-    for system in dict.fromkeys(r["system"] for r in decode):
-        rows = [r for r in decode if r["system"] == system]
-        ax.plot([r["batch_size"] for r in rows], [r["decode_ms_per_step"] for r in rows], marker="o", label=system)
+    batching = [row for row in summary.get("batching", []) if "useful_tokens_per_s" in row]
+    server = summary.get("server", {}).get("rows", [])
+    panels = [kind for kind, rows in (("decode", decode), ("batching", batching), ("server", server)) if rows]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    title = f"{summary['device']}, Qwen3-VL-{summary['model'].upper()}"
     if decode:
-        ax.set(xlabel="batch size", ylabel="decode ms/step", yscale="log",
-               title=f"{summary['device']}, Qwen3-VL-{summary['model'].upper()}")
+        ax = axes["decode"]
+        for system in dict.fromkeys(r["system"] for r in decode):
+            rows = [r for r in decode if r["system"] == system]
+            ax.plot([r["batch_size"] for r in rows], [r["decode_ms_per_step"] for r in rows], marker="o", label=system)
+        ax.set(xlabel="batch size", ylabel="decode ms/step", yscale="log", title=title)
         ax.legend()
     if batching:
-        ax = axes[0][panels - 1]
+        ax = axes["batching"]
         ax.barh([f"{row['workload']}, {row['run']} run\n{row['system']} ({row['rows']} rows)" for row in batching],
                 [row["useful_tokens_per_s"] for row in batching])
         ax.invert_yaxis()
         ax.set(xlabel="useful tokens/s", xscale="log", title="many requests, answers of uneven lengths")
+    if server:
+        ax, rows = axes["server"], [row for row in server if row["run"] == "second"]
+        levels = [row["concurrency"] for row in rows]
+        ax.plot(levels, [row["output_tokens_per_s"] for row in rows], marker="o", color="C0")
+        ax.set(xlabel="concurrent streaming clients", ylabel="output tokens/s", xscale="log",
+               title=f"{title}: OpenAI server over HTTP")
+        latency = ax.twinx()
+        for key, style in (("itl_ms_p50", "--"), ("itl_ms_p99", ":")):
+            latency.plot(levels, [row[key] for row in rows], style, marker=".", color="C1", label=key)
+        latency.set(ylabel="inter-token latency, ms", yscale="log")
+        latency.legend(loc="upper left")
     fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -20,6 +20,7 @@ import base64
 import gc
 import io
 import json
+import re
 import socket
 import statistics
 import subprocess
@@ -179,13 +180,14 @@ def free_port() -> int:
 
 
 def reference_answers(model_name: str, urls: list, indices: list) -> list:
-    """`generate`'s answers to the chat bodies of `indices`, in this process (the server's weights and processor)."""
+    """`generate`'s answers (new token ids) to the chat bodies of `indices`, in this process (the server's weights and
+    processor)."""
     from .media import MediaLimits, fetch_image
 
     device = torch.device("cuda")
     model = build_ours(device, torch.bfloat16, model_name)
     generate_exactly_as_asked(model)
-    processor, texts = bench_processor(model_name), []
+    processor, answers = bench_processor(model_name), []
     for index in indices:
         image = asyncio.run(fetch_image(urls[index], MediaLimits(), client=None))  # as the server reads it
         messages = [{"role": "user", "content": [{"type": "image", "image": image},
@@ -193,12 +195,20 @@ def reference_answers(model_name: str, urls: list, indices: list) -> list:
         inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
                                                return_tensors="pt").to(device)
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS)
-        texts.append(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True,
-                                      clean_up_tokenization_spaces=False))
+        answers.append(out[0, inputs["input_ids"].shape[1]:].tolist())
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    return texts
+    return answers, processor
+
+
+def tokens_agreeing(text: str, tokens: list, processor) -> int:
+    """How many of `tokens`, from the first, the streamed `text` starts with."""
+    agreeing = 0
+    while agreeing < len(tokens) and text.startswith(processor.decode(
+            tokens[:agreeing + 1], skip_special_tokens=True, clean_up_tokenization_spaces=False)):
+        agreeing += 1
+    return agreeing
 
 
 def server_rows(args) -> dict:
@@ -235,11 +245,18 @@ def server_rows(args) -> dict:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    indices = list(range(counts[levels[0]]))
-    expected = reference_answers(args.model, urls, indices)
-    equal = sum(answer["text"] == text for answer, text in zip(first_level_answers, expected))
+    expected, processor = reference_answers(args.model, urls, list(range(counts[levels[0]])))
+    # Random weights leave near-ties that bf16 rounding of another schedule (the batch's cache and kernels, not
+    # generate's) settles either way, and an answer goes its own way after one: the leading tokens that agree say
+    # how far. The CUDA tests check the batch's tokens against stock's where the margin is clear.
+    agreeing = [tokens_agreeing(answer["text"], tokens, processor)
+                for answer, tokens in zip(first_level_answers, expected)]
+    rendered = [float(ms) for ms in re.findall(r"read and rendered in ([0-9.]+) ms", log.read_text())]
     return {"rows": rows, "server_start_s": start_s, "server_log_tail": log.read_text()[-4000:],
-            f"concurrency_{levels[0]}_answers_equal_generate": f"{equal}/{len(indices)}",
+            "server_read_and_render_ms_p50": statistics.median(rendered),
+            "server_read_and_render_ms_p99": percentile(rendered, 0.99),
+            f"concurrency_{levels[0]}_answers_equal_generate": f"{agreeing.count(NEW_TOKENS)}/{len(agreeing)}",
+            f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG data URL",
             "image_processor": type(bench_processor(args.model).image_processor).__name__,
             "question_tokens": QUESTION_TOKENS,

@@ -15,6 +15,7 @@ import json
 import logging
 import secrets
 import signal
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -197,15 +198,22 @@ class Job:
         self._watcher = None
 
     async def updates(self):
-        """(choice index, new text, finish reason or None) as the choices' tokens come, until every choice is done."""
+        """(choice index, new text, finish reason or None) as the choices' tokens come, until every choice is done.
+        Outputs that came while the last text was being sent are taken together: each holds all of its choice's
+        tokens so far, so a choice's last one (and its end, if it ended) says the same in one piece."""
         while not all(answer.done for answer in self.answers):
-            index, output = await self.outputs.get()
-            answer = self.answers[index]
-            if answer.done:  # an output after the one that ended the choice
-                continue
-            delta = answer.advance(output)
-            if delta or answer.finish_reason:
-                yield index, delta, answer.finish_reason
+            latest = {}  # choice index -> its outputs to read: the last snapshot, then the end
+            for index, output in [await self.outputs.get(), *_drain(self.outputs)]:
+                ended = output.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+                latest[index] = [*latest.get(index, [])[:1], output] if ended else [output]
+            for index, outputs in latest.items():
+                answer = self.answers[index]
+                for output in outputs:
+                    if answer.done:  # an output after the one that ended the choice
+                        break
+                    delta = answer.advance(output)
+                    if delta or answer.finish_reason:
+                        yield index, delta, answer.finish_reason
 
     def error(self) -> str | None:
         return next((answer.error for answer in self.answers if answer.error is not None), None)
@@ -297,6 +305,7 @@ class OpenAIServer:
                                             "owned_by": "qwen3vl_static", "max_model_len": self.row_slots}]}
 
     async def chat_completions(self, request: Request) -> Response:
+        received = time.perf_counter()
         body = await self._parse(request, ChatRequest)
         urls = [part.image_url.url for message in body.messages if isinstance(message.content, list)
                 for part in message.content if part.type == "image_url"]
@@ -308,13 +317,14 @@ class OpenAIServer:
             {"type": "text", "text": part.text} if part.type == "text" else {"type": "image", "image": next(images)}
             for part in message.content]} for message in body.messages]
         inputs = await asyncio.to_thread(self._render_chat, messages)
-        job = self._submit(inputs, body, body.max_completion_tokens or body.max_tokens, "chatcmpl")
+        job = self._submit(inputs, body, body.max_completion_tokens or body.max_tokens, "chatcmpl", received)
         return await self._respond(request, job, body, chat=True)
 
     async def completions(self, request: Request) -> Response:
+        received = time.perf_counter()
         body = await self._parse(request, CompletionRequest)
         ids = self.tokenizer(body.prompt, return_tensors="pt")["input_ids"]
-        job = self._submit({"input_ids": ids}, body, body.max_tokens, "cmpl")
+        job = self._submit({"input_ids": ids}, body, body.max_tokens, "cmpl", received)
         return await self._respond(request, job, body, chat=False)
 
     # -- a request's way in ---------------------------------------------------------------------------------------
@@ -376,7 +386,7 @@ class OpenAIServer:
         reason = f"on an error: {self.manager.error}" if self.manager.error is not None else "(shutting down)"
         return APIError(503, f"The model's batch has stopped {reason}; restart the server")
 
-    def _submit(self, inputs: dict, body: _Generation, max_tokens: int | None, prefix: str) -> Job:
+    def _submit(self, inputs: dict, body: _Generation, max_tokens: int | None, prefix: str, received: float) -> Job:
         """The request's choices into the batch, after the checks the batch would otherwise fail them on."""
         if self.manager.error is not None or not self.manager.is_running():
             raise self._stopped()
@@ -409,8 +419,8 @@ class OpenAIServer:
             self.manager.add_request(**inputs, request_id=answer.request_id, max_new_tokens=new_tokens,
                                      streaming=True, stop_strings=body.stop, **seed, **body.sampling())
             self.in_flight += 1
-        logger.info("%s: %d choice(s), %d prompt tokens, up to %d new tokens each", job_id, body.n, prompt_tokens,
-                    new_tokens)
+        logger.info("%s: %d choice(s), %d prompt tokens, up to %d new tokens each; read and rendered in %.1f ms", job_id,
+                    body.n, prompt_tokens, new_tokens, 1000 * (time.perf_counter() - received))
         return job
 
     def _deliver(self, job: Job, index: int, output) -> None:
@@ -471,6 +481,14 @@ class OpenAIServer:
         return APIError(400, job.error())
 
 
+def _drain(outputs: asyncio.Queue) -> list:
+    """What `outputs` holds now, without waiting."""
+    taken = []
+    while not outputs.empty():
+        taken.append(outputs.get_nowait())
+    return taken
+
+
 def _location(loc: tuple) -> str:
     """A field's place in the body as pydantic gives it, without the repeats its tagged unions add (a part of type
     "image_url" whose "image_url" is wrong: content.parts.0.image_url, not content.parts.0.image_url.image_url)."""
@@ -490,6 +508,9 @@ def serve(model, processor, model_name: str, host: str = "127.0.0.1", port: int 
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per image fetched
+    # The batch's thread must get the GIL back soon after each wait for the GPU while the event loop's thread streams:
+    # Python's default switch interval (5 ms) is two decode steps of a large batch.
+    sys.setswitchinterval(0.0005)
     app = OpenAIServer(model, processor, model_name, **settings).app()
     # uvicorn drains on SIGINT / SIGTERM, then raises the signal again for the handlers it found; these make that a
     # clean exit.

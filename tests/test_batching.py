@@ -159,12 +159,49 @@ def test_stop_strings_end_a_request_where_its_text_ends_in_one():
     assert refused.status == RequestStatus.FAILED and "tokenizer" in refused.error
 
 
-def test_streaming_chunks_are_as_short_as_keep_the_gpu_busy():
+def test_streaming_chunks_are_as_short_as_the_host_and_clients_keep_up_with():
     steps = StreamingSteps(most=8)
-    assert [steps.next(gpu_idle=None)] == [1]  # no measure: one step
-    assert [steps.next(gpu_idle=True) for _ in range(5)] == [2, 4, 8, 8, 8]  # the host fell behind: longer chunks
-    assert [steps.next(gpu_idle=False) for _ in range(9)] == [7, 6, 5, 4, 3, 2, 1, 1, 1]
-    assert [steps.next(gpu_idle=None), steps.next(gpu_idle=True), steps.next(gpu_idle=None)] == [1, 2, 2]
+    assert [steps.next(behind=None)] == [1]  # no measure: one step
+    assert [steps.next(behind=True) for _ in range(5)] == [2, 4, 8, 8, 8]  # fell behind: longer chunks
+    assert [steps.next(behind=False) for _ in range(9)] == [7, 6, 5, 4, 3, 2, 1, 1, 1]
+    assert [steps.next(behind=None), steps.next(behind=True), steps.next(behind=None)] == [1, 2, 2]
+
+
+def test_handlers_on_an_event_loop_get_every_output_in_order():
+    """Streaming requests whose result handlers run on an asyncio loop (as the server's): each chunk's outputs reach
+    the loop together, in order, ending with the request's result; the tokens are `generate`'s."""
+    import asyncio
+
+    ours, stock = new_pair(max_batch_size=4, steps_per_sync=2)
+    requests, expected = requests_and_expected(stock, 6)
+    manager = ours.init_continuous_batching()
+
+    async def main():
+        outputs, done = {}, asyncio.Event()
+
+        def handler(output):
+            outputs.setdefault(output.request_id, []).append(output)
+            if sum(seen[-1].status == RequestStatus.FINISHED for seen in outputs.values()) == len(requests):
+                done.set()
+
+        for index in range(len(requests)):
+            manager.register_result_handler(f"r{index}", handler)
+        manager.start()
+        for index, request in enumerate(requests):
+            manager.add_request(**request, request_id=f"r{index}", streaming=True)
+        await asyncio.wait_for(done.wait(), timeout=120)
+        return outputs
+
+    try:
+        outputs = asyncio.run(main())
+    finally:
+        manager.stop()
+    for index, tokens in enumerate(expected):
+        seen = outputs[f"r{index}"]
+        assert [output.status for output in seen[:-1]] == [RequestStatus.DECODING] * (len(seen) - 1)
+        assert seen[-1].generated_tokens == tokens
+        counts = [len(output.generated_tokens) for output in seen]
+        assert counts == sorted(counts) and (len(seen) > 1 or len(tokens) <= 2)  # streamed, unless done at once
 
 
 def test_streaming_delivers_tokens_as_they_are_drawn_and_cancel_frees_the_row():
