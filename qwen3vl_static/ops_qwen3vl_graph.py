@@ -61,7 +61,7 @@ from .ops_rotary_qwen3vl_graph import (
 )
 from .ops_sample_qwen3vl_graph import sample_candidates, sample_sorted, sample_tokens
 from .ops_step_end_qwen3vl_graph import advance, finish_step, finish_step_reference
-from .triton_qwen3vl_graph import compiling_ahead, triton
+from .triton_qwen3vl_graph import compiling_ahead, takes_e4m3, triton
 from .tuner_qwen3vl_graph import KernelTuner
 
 logger = logging.get_logger(__name__)
@@ -126,13 +126,16 @@ class TorchOps:
 
 class TritonOps(TorchOps):
     """The same ops as fused Triton kernels (CUDA). Float32 inside each kernel, one rounding per output. The measured
-    choices are `tuner`'s; the counters of finished programs that some kernels use (`ticket`) are this set's."""
+    choices are `tuner`'s; the counters of finished programs that some kernels use (`ticket`) are this set's.
+    `fp8_kernels`: whether the device runs the FP8 kernels (`takes_e4m3`); without them projections of an `Fp8Weight`
+    take the torch reference (its matrix dequantized per call) and the other ops stay fused."""
 
     TICKETS = 1 << 16  # counters per device (a split projection takes one per column tile: 8B gate/up 6,144)
 
-    def __init__(self, tuner: KernelTuner):
+    def __init__(self, tuner: KernelTuner, fp8_kernels: bool = True):
         super().__init__(tuner)
         self.tickets = {}  # device -> the counters `ticket` returns
+        self.fp8_kernels = fp8_kernels
 
     rotary = staticmethod(rotary)
     rotary_components = staticmethod(rotary_components)
@@ -159,6 +162,15 @@ class TritonOps(TorchOps):
         """All the device's counters, for a split projection (`skinny_matmul`'s one per column tile)."""
         return self.ticket(device, self.TICKETS)
 
+    def fp8_in_torch(self, weight) -> bool:
+        """Whether a projection of `weight` takes the torch reference: an `Fp8Weight` without the FP8 kernels (said
+        once)."""
+        if not isinstance(weight, Fp8Weight) or self.fp8_kernels:
+            return False
+        logger.warning_once("This GPU has no float8 e4m3 in Triton (sm89 and later have it): the FP8 projections run "
+                            "as torch ops, each matrix dequantized per call; the other kernels stay fused.")
+        return True
+
     def linear(self, x, weight, bias=None):
         """cuBLAS or the skinny Triton matmul (up to SKINNY_ROWS rows), whichever measured faster on this device for
         these (M, N, K, dtype). The skinny matmul runs at the rule's tiling with a 4- or a 6-stage pipeline: on an
@@ -171,6 +183,8 @@ class TritonOps(TorchOps):
         def tiled(config):
             return lambda: skinny_matmul(x, weight, config, ticket=self.column_tickets(x.device))
 
+        if self.fp8_in_torch(weight):
+            return linear_reference(x, weight, bias)
         if isinstance(weight, Fp8Weight):
             if bias is not None or not skinny(x, weight):
                 return fp8_matmul(x, weight, bias)
@@ -195,7 +209,7 @@ class TritonOps(TorchOps):
         def separate():
             return super(TritonOps, self).linear_swiglu(x, gate_up_weight)
 
-        if not skinny(x, gate_up_weight):
+        if self.fp8_in_torch(gate_up_weight) or not skinny(x, gate_up_weight):
             return separate()
         tilings = stage_configs(rule_config(gate_up_weight), gate_up_weight, rows=x.shape[0])
         summed_by_swiglu = [lambda config=config: silu_mul(skinny_matmul(x, gate_up_weight, config, partials=True),
@@ -219,7 +233,7 @@ class TritonOps(TorchOps):
         def separate():
             return super(TritonOps, self).linear_add_rms_norm(x, weight, bias, hidden, norm_weight, eps)
 
-        if bias is not None or not skinny(x, weight):
+        if bias is not None or self.fp8_in_torch(weight) or not skinny(x, weight):
             return separate()
         rows = x.shape[0]
         preload = preload_config(weight, rows)
@@ -241,7 +255,7 @@ class TritonOps(TorchOps):
             return super(TritonOps, self).qkv_norm_rope_write(
                 x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_slots)
 
-        if not skinny(x, qkv_weight):
+        if self.fp8_in_torch(qkv_weight) or not skinny(x, qkv_weight):
             return separate()
         summed_by_norm = [lambda config=config: self.qk_norm_rope_write(skinny_matmul(x, qkv_weight, config, partials=True),
                                                                         heads, *qk_norms, rotary, keys, values, cache_rows,
@@ -297,11 +311,11 @@ class TritonOps(TorchOps):
 
 
 def make_ops(device: torch.device, dtype: torch.dtype, allow_triton: bool, tuner: KernelTuner) -> TorchOps:
-    """The fused kernels where they run (CUDA, Triton, 16-bit weights; when allowed), else the torch reference; both
-    with `tuner` (the engine's measured choices).
+    """The fused kernels where they run (CUDA, Triton, 16-bit weights; when allowed; the FP8 ones where the GPU has
+    e4m3: `takes_e4m3`), else the torch reference; both with `tuner` (the engine's measured choices).
 
     Float32 models keep the torch ops: `tl.dot` would round float32 inputs to TF32.
     """
     if allow_triton and triton is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        return TritonOps(tuner)
+        return TritonOps(tuner, fp8_kernels=takes_e4m3(torch.cuda.get_device_capability(device)))
     return TorchOps(tuner)

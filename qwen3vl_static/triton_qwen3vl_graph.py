@@ -50,12 +50,23 @@ else:
     _wait_then_release = _release_then_wait = None
 
 
+def takes_pdl(capability: tuple) -> bool:
+    """Whether a GPU of compute `capability` (major, minor) has programmatic dependent launch: sm90 and later."""
+    return capability[0] >= 9
+
+
+def takes_e4m3(capability: tuple) -> bool:
+    """Whether Triton computes with float8 e4m3 on a GPU of compute `capability`: sm89 and later (Ada, Hopper,
+    Blackwell). Before (sm80: A100) the FP8 kernels do not compile and FP8 weights take the torch ops."""
+    return tuple(capability) >= (8, 9)
+
+
 @functools.cache
 def pdl_capable(device: torch.device) -> bool:
-    """Whether kernels launch with programmatic dependent launch on `device`: sm90 and later, a Triton that has it,
+    """Whether kernels launch with programmatic dependent launch on `device`: `takes_pdl`, a Triton that has it,
     compiled kernels (not the interpreter)."""
     return (gdc_wait is not None and device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and takes_pdl(torch.cuda.get_device_capability(device)))
 
 
 def sm_count(device) -> int:
