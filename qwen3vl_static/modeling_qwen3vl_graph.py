@@ -19,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 from operator import is_
 
 import torch
-from transformers import PretrainedConfig
+from transformers import GenerationMixin, PretrainedConfig
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLModel
 from transformers.utils import logging
@@ -113,7 +113,8 @@ class Qwen3VLGraphModel(Qwen3VLModel):
             self._rope_index_kept = None
 
 
-class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration):
+# `GenerationMixin` named directly, as transformers asks of custom code (it checks the direct bases).
+class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, GenerationMixin):
     config: Qwen3VLGraphConfig
 
     def __init__(self, config: Qwen3VLGraphConfig):

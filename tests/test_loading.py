@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
-from transformers import AutoConfig, LlamaConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
+from transformers import AutoConfig, GenerationMixin, LlamaConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
 from transformers.dynamic_module_utils import get_relative_imports
 
 from qwen3vl_static import Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, Qwen3VLGraphModel
@@ -93,6 +93,12 @@ def test_saved_folder_is_a_custom_code_repo(ours_folder):
     modules = {path.name: path for path in hub_module_files()}
     assert {path.name for path in ours_folder.glob("*.py")} == modules.keys()
     assert all((ours_folder / name).read_bytes() == path.read_bytes() for name, path in modules.items())
+
+
+def test_generation_class_names_generation_mixin_directly():
+    """transformers checks a custom-code class's direct bases for `GenerationMixin` (its own tests do too); a subclass
+    of the stock class has it only further up."""
+    assert GenerationMixin in Qwen3VLGraphForConditionalGeneration.__bases__
 
 
 def test_modeling_file_imports_every_custom_code_file_itself():
