@@ -1,3 +1,16 @@
+# Copyright 2026 The qwen3vl-static Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
 """The decode runner: one language-model step on static buffers, captured as CUDA graphs and replayed.
 
 The runner owns every tensor a decode step touches: token ids `(B, 1)`, M-RoPE positions `(3, B, 1)`,

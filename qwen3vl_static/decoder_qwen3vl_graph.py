@@ -1,3 +1,16 @@
+# Copyright 2026 The qwen3vl-static Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
 """The language model's decoder as the runners see it: its weights, and the one walk over its layers.
 
 `TextWeights` reads the stock modules once: per layer the fused QKV and gate/up matrices (one GEMV each instead of

@@ -1,3 +1,16 @@
+# Copyright 2026 The qwen3vl-static Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
 """The in-graph sampler: temperature, top-k, top-p (transformers' warper semantics, per-row parameters) and a draw.
 The torch reference sorts (or, for a top-k of at most `candidates`, partially selects) the raw logits. The Triton
 forms: for a top-k within the candidates, three launches from the logits to the drawn token (torch's top-k alone

@@ -2,8 +2,11 @@
 classes (CPU, tiny model)."""
 
 import contextlib
+import inspect
 import json
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +102,30 @@ def test_generation_class_names_generation_mixin_directly():
     """transformers checks a custom-code class's direct bases for `GenerationMixin` (its own tests do too); a subclass
     of the stock class has it only further up."""
     assert GenerationMixin in Qwen3VLGraphForConditionalGeneration.__bases__
+
+
+LICENSE_HEADER = re.compile(
+    r"# Copyright (\d{4}) The qwen3vl-static Authors\. All rights reserved\.\n#\n"
+    r"# Licensed under the Apache License, Version 2\.0 \(the \"License\"\);\n"
+    r"# you may not use this file except in compliance with the License\.\n"
+    r"# You may obtain a copy of the License at\n#\n#     http://www\.apache\.org/licenses/LICENSE-2\.0\n#\n"
+    r"# Unless required by applicable law or agreed to in writing, software\n"
+    r"# distributed under the License is distributed on an \"AS IS\" BASIS,\n"
+    r"# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied\.\n"
+    r"# See the License for the specific language governing permissions and\n"
+    r"# limitations under the License\.\n"
+)
+
+
+def test_every_custom_code_file_starts_with_the_license_header():
+    """The files that travel to the Hub say their license as transformers' own files do; transformers' model tests
+    read a model's year from its configuration file's first `# Copyright YEAR` line (older than 2023: some skipped)."""
+    for path in hub_module_files():
+        header = LICENSE_HEADER.match(path.read_text(encoding="utf-8"))
+        assert header is not None, f"{path.name} does not start with the license header"
+        assert int(header.group(1)) >= 2025
+    configuration = Path(inspect.getfile(Qwen3VLGraphConfig)).read_text(encoding="utf-8")
+    assert re.search(r"^# Copyright (\d{4})", configuration, re.MULTILINE).group(1) == "2026"
 
 
 def test_modeling_file_imports_every_custom_code_file_itself():
