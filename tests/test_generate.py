@@ -3,7 +3,7 @@
 import pytest
 import torch
 from transformers import (
-    CompileConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList, Qwen3VLConfig, Qwen3VLForConditionalGeneration, TextIteratorStreamer,
+    CompileConfig, DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, Qwen3VLConfig, Qwen3VLForConditionalGeneration, TextIteratorStreamer,
 )
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -234,6 +234,25 @@ def test_compile_config_compiles_transformers_loop_only(monkeypatch, caplog):
     static = {CACHE_KWARG: ours.static_cache()}
     assert stock._valid_auto_compile_criteria(static, GenerationConfig())
     assert not ours._valid_auto_compile_criteria(static, GenerationConfig())
+
+
+def test_returned_cache_is_the_persistent_static_cache_and_a_dynamic_cache_is_kept(tiny_pair):
+    """`generate` returns the model's `ASStaticCache` (a `StaticCache`) where stock returns a `DynamicCache`; code that
+    needs the latter passes one and gets it back, filled by transformers' loop with stock's tokens."""
+    ours, stock = tiny_pair
+    model_inputs = build((TEXT, {}))
+    kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    got, expected = assert_same_generate(ours, stock, model_inputs, **kwargs)
+    assert got.past_key_values is ours.static_cache() and isinstance(expected.past_key_values, DynamicCache)
+    length = got.sequences.shape[1] - 1
+    assert int(got.past_key_values.get_seq_length()) == length
+    expected = stock.generate(**model_inputs, **kwargs, **{CACHE_KWARG: DynamicCache()})
+    ours._engine.decode.length = -1
+    got = ours.generate(**model_inputs, **kwargs, **{CACHE_KWARG: DynamicCache()})
+    assert got.sequences.tolist() == expected.sequences.tolist()
+    assert isinstance(got.past_key_values, DynamicCache) and not used_static_loop(ours)
+    for got_layer, expected_layer in zip(got.past_key_values.layers, expected.past_key_values.layers):
+        assert torch.allclose(got_layer.keys, expected_layer.keys, atol=1e-5)
 
 
 def test_inputs_embeds_run_the_stock_loop(tiny_pair):
