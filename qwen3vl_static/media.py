@@ -31,16 +31,19 @@ class MediaError(ValueError):
 
 async def fetch_image(url: str, limits: MediaLimits, client: httpx.AsyncClient) -> Image.Image:
     """The image at `url`, decoded (off the event loop)."""
+    return await asyncio.to_thread(decode_image, await fetch_image_data(url, limits, client), limits)
+
+
+async def fetch_image_data(url: str, limits: MediaLimits, client: httpx.AsyncClient) -> bytes:
+    """The encoded image at `url` (not decoded: `decode_image`)."""
     if url.startswith("data:"):
-        data = _data_url_bytes(url, limits)
-    elif url.startswith(("http://", "https://")):
-        data = await _download(url, limits, client)
-    elif url.startswith("file:"):
-        data = await asyncio.to_thread(_read_local, url, limits)
-    else:
-        raise MediaError(f"{_short(url)} is not an image URL: use http(s)://, data:image/...;base64,... or (when the "
-                         "server allows a folder) file://")
-    return await asyncio.to_thread(decode_image, data, limits)
+        return _data_url_bytes(url, limits)
+    if url.startswith(("http://", "https://")):
+        return await _download(url, limits, client)
+    if url.startswith("file:"):
+        return await asyncio.to_thread(_read_local, url, limits)
+    raise MediaError(f"{_short(url)} is not an image URL: use http(s)://, data:image/...;base64,... or (when the "
+                     "server allows a folder) file://")
 
 
 def decode_image(data: bytes, limits: MediaLimits) -> Image.Image:
