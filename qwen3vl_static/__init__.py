@@ -4,24 +4,21 @@ Importing the package registers the classes with the Auto classes, so `from_pret
 checkpoint resolves to them with or without `trust_remote_code`.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText
-
-from .cache_qwen3vl_graph import ASStaticCache
-from .compat_qwen3vl_graph import AUTO_MODEL_FOR_VISION2SEQ
-from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
-from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration, Qwen3VLGraphModel
+import sys
 
 __version__ = "0.1.0"
-
-AutoConfig.register(Qwen3VLGraphConfig.model_type, Qwen3VLGraphConfig, exist_ok=True)
-AutoModel.register(Qwen3VLGraphConfig, Qwen3VLGraphModel, exist_ok=True)
-AutoModelForImageTextToText.register(Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, exist_ok=True)
-if AUTO_MODEL_FOR_VISION2SEQ is not None:
-    AUTO_MODEL_FOR_VISION2SEQ.register(Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, exist_ok=True)
-
-# save_pretrained copies the modeling files and writes `auto_map` only for classes registered this way.
-Qwen3VLGraphConfig.register_for_auto_class("AutoConfig")
-Qwen3VLGraphModel.register_for_auto_class("AutoModel")
-Qwen3VLGraphForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
-
 __all__ = ["ASStaticCache", "Qwen3VLGraphConfig", "Qwen3VLGraphForConditionalGeneration", "Qwen3VLGraphModel"]
+
+
+def _cli_starting() -> bool:
+    """Whether `python -m qwen3vl_static` is importing the package on its way to `__main__` (sys.argv[0] is "-m"
+    while Python locates the main module). The command line then imports torch and transformers only in a command
+    that needs them (`auto_classes`), so `--help` and argument errors answer at once."""
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and any(flag == "-m" and name == __name__ for flag, name in zip(argv, argv[1:]))
+
+
+if not _cli_starting():
+    from .auto_classes import (
+        ASStaticCache, Qwen3VLGraphConfig, Qwen3VLGraphForConditionalGeneration, Qwen3VLGraphModel,
+    )

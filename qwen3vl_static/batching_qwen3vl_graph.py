@@ -570,7 +570,7 @@ class GraphBatchingManager:
         length = sequence.prompt_len
         new_tokens = value("max_new_tokens")
         if new_tokens is not None and new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {new_tokens}.")
+            raise ValueError(f"max_new_tokens={new_tokens}: a request generates at least 1 token.")
         room = cache.capacity - length - past_end
         if (new_tokens or 1) > room:
             raise ValueError(

@@ -1,4 +1,8 @@
-"""Command line: `python -m qwen3vl_static <command> ...`. Not uploaded to the Hub."""
+"""Command line: `python -m qwen3vl_static <command> ...`. Not uploaded to the Hub.
+
+Torch and transformers are imported only once the arguments are checked (`python -m qwen3vl_static` does not import
+them with the package), so `--help` and argument mistakes answer in a moment, not after seconds of imports or a model
+load."""
 
 import argparse
 import os
@@ -6,14 +10,45 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from .convert import convert
+from . import __version__
+from .checkpoints import qwen3vl_config_file
 from .presets import MODELS
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+TINY_MAX_NEW_TOKENS = 32  # the `tiny` checkpoint's generation config
+DEVICE_HELP = "torch device to run on (default: cuda when there is one, else cpu)"
+
+
 def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.check(args)
+        from . import auto_classes  # noqa: F401 - registers the classes: AutoProcessor reads a converted config.json
+
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
+    except Exception as error:  # a command line reports any failure as one line, not a traceback
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m qwen3vl_static")
+    parser.add_argument("--version", action="version", version=f"qwen3vl-static {__version__}")
+    parser.set_defaults(check=lambda args: None)
     commands = parser.add_subparsers(dest="command", required=True)
 
     converter = commands.add_parser(
@@ -35,29 +70,43 @@ def main(argv=None) -> int:
         "checked against stock transformers. CUDA: the real Qwen3-VL-2B shapes with random bf16 weights, "
         "decode graphs captured ahead of time, checked against the same steps run eagerly (bf16).",
     )
-    demo.add_argument("--new-tokens", type=int, default=32)
-    demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    demo.add_argument("--new-tokens", type=positive_int, default=32, help="tokens to generate (default 32)")
+    demo.add_argument("--device", help=DEVICE_HELP)
     demo.set_defaults(run=_demo)
+
+    tiny = commands.add_parser(
+        "tiny",
+        help="write a tiny random-weight converted checkpoint to try the other commands on (offline)",
+        description="Write to DIR a tiny Qwen3-VL with random weights, its byte-level tokenizer and image processor, "
+        "converted as `convert` writes a checkpoint: `run` and `serve` take it "
+        f"as MODEL, offline. Its answers are gibberish (random weights), {TINY_MAX_NEW_TOKENS} tokens unless a "
+        "request asks for more.",
+    )
+    tiny.add_argument("dst", metavar="DIR", help="output folder: new, empty or a previous conversion")
+    tiny.set_defaults(run=_tiny)
 
     runner = commands.add_parser(
         "run",
         help="answer a JSONL file of chat requests by continuous batching",
         description="Answer every chat request of INPUT (one JSON object per line: id, messages with image paths, "
         "URLs or base64, optional per-request settings such as max_new_tokens / temperature / seed) by continuous batching "
-        "on the graph engine, appending each answer to OUTPUT as it finishes; a rerun skips ids OUTPUT holds.",
+        "on the graph engine, appending each answer to OUTPUT as it finishes; a rerun skips ids OUTPUT holds. Exit "
+        "status: 0 when every request was answered, 1 when any failed (its error record is in OUTPUT), 130 after "
+        "Ctrl-C.",
     )
     runner.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub repo id (stock or converted)")
-    runner.add_argument("--input", type=Path, required=True, help="requests, JSONL")
+    runner.add_argument("--input", type=Path, required=True,
+                        help="requests, JSONL (image paths relative to its folder)")
     runner.add_argument("--output", type=Path, required=True, help="answers, JSONL (appended to)")
-    runner.add_argument("--max-new-tokens", type=int, help="per request, unless its line says (default: the "
-                        "checkpoint's generation config)")
+    runner.add_argument("--max-new-tokens", type=positive_int, help="per request, unless its line says (default: "
+                        "the checkpoint's generation config, else as many as the request's cache row holds)")
     runner.add_argument("--greedy", action="store_true", help="greedy decoding (default: the checkpoint's "
                         "generation config, which samples for Qwen's checkpoints)")
-    runner.add_argument("--slots", type=int, help="requests decoded at once: the static cache's rows (max_batch_size; "
-                        "default: as many as fit in the GPU's memory, the config's on the CPU)")
-    runner.add_argument("--cache-len", type=int, help="cache slots per request (static_cache_len)")
-    runner.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    runner.set_defaults(run=_run)
+    runner.add_argument("--slots", type=positive_int, help="requests decoded at once: the static cache's rows "
+                        "(max_batch_size; default: as many as fit in the GPU's memory, the config's on the CPU)")
+    runner.add_argument("--cache-len", type=positive_int, help="cache slots per request (static_cache_len)")
+    runner.add_argument("--device", help=DEVICE_HELP)
+    runner.set_defaults(check=_check_run, run=_run)
 
     server = commands.add_parser(
         "serve",
@@ -73,21 +122,25 @@ def main(argv=None) -> int:
     server.add_argument("--served-model-name", help="the model name requests give (default: MODEL as written)")
     server.add_argument("--api-key", default=os.environ.get("QWEN3VL_STATIC_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $QWEN3VL_STATIC_API_KEY, else none)")
-    server.add_argument("--slots", type=int, help="requests decoded at once: the static cache's rows (max_batch_size; "
-                        "default: as many as fit in the GPU's memory, the config's on the CPU)")
-    server.add_argument("--cache-len", type=int, help="cache slots per request, prompt and answer (static_cache_len)")
-    server.add_argument("--max-waiting", type=int, default=256,
+    server.add_argument("--slots", type=positive_int, help="requests decoded at once: the static cache's rows "
+                        "(max_batch_size; default: as many as fit in the GPU's memory, the config's on the CPU)")
+    server.add_argument("--cache-len", type=positive_int,
+                        help="cache slots per request, prompt and answer (static_cache_len)")
+    server.add_argument("--max-waiting", type=positive_int, default=256,
                         help="requests waiting for a free row; more get 503 (default 256)")
     server.add_argument("--max-request-mb", type=float, default=50, help="largest request body, MiB (default 50)")
-    server.add_argument("--max-images", type=int, default=8, help="images per request (default 8)")
+    server.add_argument("--max-images", type=positive_int, default=8, help="images per request (default 8)")
     server.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
                         help="pixels of an image, width x height (default 4096 x 4096)")
     server.add_argument("--max-image-mb", type=float, default=20, help="an image's encoded size, MiB (default 20)")
     server.add_argument("--media-timeout", type=float, default=10, help="seconds to fetch an image URL (default 10)")
+    server.add_argument("--render-workers", type=int, default=None,
+                        help="processes that decode images and run the processor (default: half the CPU cores, at "
+                        "most 8; 0: threads of the server's process)")
     server.add_argument("--allowed-local-media-path", type=Path,
                         help="a folder whose images requests may name by file:// URL (default: none)")
-    server.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    server.set_defaults(run=_serve)
+    server.add_argument("--device", help=DEVICE_HELP)
+    server.set_defaults(check=_check_serve, run=_serve)
 
     bench = commands.add_parser(
         "bench",
@@ -100,7 +153,8 @@ def main(argv=None) -> int:
                        help="the dense Qwen3-VL whose shapes the random weights take (default: 2b)")
     bench.add_argument("--fp8", action="store_true",
                        help="also measure ours with the same weights in Qwen's FP8 format (system ours_fp8)")
-    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])
+    bench.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4, 8],
+                       help="batch sizes of the decode measurements (default: 1 4 8)")
     bench.add_argument("--context", type=int, default=512, help="prompt tokens of the decode measurements")
     bench.add_argument("--with-compile", action="store_true",
                        help="also measure stock cache_implementation='static' (auto-compile, ~45 s per shape)")
@@ -125,24 +179,28 @@ def main(argv=None) -> int:
                        "(its own JSON, *-server-DATE.json; needs the serve extra)")
     bench.add_argument("--server-concurrency", type=int, nargs="+", default=[1, 16, 64, 256],
                        help="the --server concurrencies (default: 1 16 64 256)")
-    bench.add_argument("--out", type=Path, default=Path("bench/results"))
+    bench.add_argument("--out", type=Path, default=Path("bench/results"),
+                       help="folder for the JSON (and PNG) results (default: bench/results)")
     bench.set_defaults(run=_bench)
+    return parser
 
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except Exception as error:  # a command line reports any failure as one line, not a traceback
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 1
+
+def _device(args):
+    import torch
+
+    return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def _convert(args) -> int:
+    from .convert import convert
+
     dst = convert(args.src, args.dst, push_to_hub=args.push_to_hub, private=args.private)
     print(f"converted {args.src} to {dst}" + (f" and pushed it to {args.push_to_hub}" if args.push_to_hub else ""))
     return 0
 
 
 def _demo(args) -> int:
+    import torch
     from PIL import Image
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -150,7 +208,7 @@ def _demo(args) -> int:
     from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
     from .presets import tiny_config, tiny_config_dict, tiny_inputs, tiny_tokenizer
 
-    device = torch.device(args.device)
+    device = _device(args)
     if device.type == "cuda":
         model, _ = build_models(device, torch.bfloat16)
         inputs = image_prompt(model.config, device, torch.Generator().manual_seed(0))
@@ -176,8 +234,10 @@ def _demo(args) -> int:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     new = ours[0, inputs["input_ids"].shape[1]:]
-    print(f"generated {len(new)} tokens in {1000 * seconds:.1f} ms ({len(new) / seconds:.1f} tokens/s, prefill included)")
+    print(f"generated {len(new)} tokens in {1000 * seconds:.1f} ms ({len(new) / seconds:.1f} tokens/s in one run, "
+          "prefill included; `python -m qwen3vl_static bench` measures speed)")
     print("tokens:", new.tolist() if decode is None else repr(decode(new)))
+    print("(random weights: the tokens are gibberish, as expected; the check is that they are the same tokens)")
     if device.type == "cuda":
         # In bf16 the contract is graphs == the eager static path; stock bf16 kernels round differently, and random
         # weights leave near-ties that flip on such rounding.
@@ -193,15 +253,25 @@ def _demo(args) -> int:
     return 0 if same else 1
 
 
-def _run(args) -> int:
-    import os
+def _check_run(args) -> None:
+    qwen3vl_config_file(args.model, "MODEL")
+    if not args.input.is_file():
+        raise ValueError(f"--input {args.input}: no such file")
+    if not any(line.strip() for line in args.input.read_text().splitlines()):
+        raise ValueError(f"--input {args.input} holds no requests (one JSON object per line)")
+    if not args.output.parent.is_dir():
+        raise ValueError(f"--output {args.output}: no folder {args.output.parent}")
 
-    from .dataset_runner import load_processor, merge_in_input_order, run_dataset
+
+def _run(args) -> int:
+    import torch
+
+    from .dataset_runner import load_processor, merge_in_input_order, read_records, run_dataset
     from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
 
     # Under torchrun: one process (and model) per GPU, requests shared out by cost, the answers merged by rank 0.
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(args.device)
+    device = _device(args)
     if world > 1:
         import torch.distributed as dist
 
@@ -210,7 +280,7 @@ def _run(args) -> int:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     overrides = {} if args.cache_len is None else {"static_cache_len": args.cache_len}
-    failure = None
+    failure, counts = None, None
     try:
         model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
             args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
@@ -219,32 +289,50 @@ def _run(args) -> int:
         settings = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
         counts = run_dataset(model, load_processor(args.model), args.input, args.output, rank=rank, world=world,
                              max_batch_size=args.slots, **settings)
+    except KeyboardInterrupt:
+        answered = sum(record["error"] is None for _, record in read_records(args.output))
+        print(f"interrupted: {args.output} holds {answered} answers" + (" (its part files more)" if world > 1 else "")
+              + "; the same command again answers the rest", file=sys.stderr)
+        return 130
     except Exception as error:  # noqa: BLE001 - every rank learns which failed; what they wrote stays
+        if world == 1:
+            raise
         failure = f"rank {rank} of {world}: {type(error).__name__}: {error}"
-    failures = [failure]
+    outcomes = [(failure, counts)]
     if world > 1:
-        failures = [None] * world
-        dist.all_gather_object(failures, failure)
+        outcomes = [None] * world
+        dist.all_gather_object(outcomes, (failure, counts))
         dist.destroy_process_group()
-    failures = [each for each in failures if each is not None]
-    if world > 1 and rank == 0 and not failures:
-        merge_in_input_order(args.input, args.output)
+    failures = [failure for failure, _ in outcomes if failure is not None]
     if failures:
-        raise RuntimeError("; ".join(failures) + (f" (what was answered stays in {args.output} and its part files: "
-                                                  "run again to finish)"))
+        raise RuntimeError("; ".join(failures) + f" (what was answered stays in {args.output} and its part files: "
+                           "run again to finish)")
+    if world > 1 and rank == 0:
+        merge_in_input_order(args.input, args.output)
     where = f"rank {rank} of {world}: " if world > 1 else ""
     print(f"{where}answered {counts['answered']}, failed {counts['failed']}, skipped {counts['skipped']} (already "
           f"answered); {counts['generated_tokens']} tokens in {counts['seconds']:.1f} s")
+    failed = sum(each["failed"] for _, each in outcomes)
+    if failed and rank == 0:  # rank 0 alone: torchrun stops every rank when one exits non-zero, maybe mid-merge
+        answered = sum(each["answered"] for _, each in outcomes)
+        raise RuntimeError(f"requests failed: {failed}, answered: {answered}; the error records are in {args.output} "
+                           "and the same command again retries them")
     return 0
 
 
+def _check_serve(args) -> None:
+    qwen3vl_config_file(args.model, "MODEL")
+
+
 def _serve(args) -> int:
+    import torch
+
     from .dataset_runner import load_processor
     from .media import MediaLimits
     from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
     from .server import ServerLimits, serve
 
-    device = torch.device(args.device)
+    device = _device(args)
     overrides = {} if args.cache_len is None else {"static_cache_len": args.cache_len}
     model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
         args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
@@ -254,7 +342,27 @@ def _serve(args) -> int:
           limits=ServerLimits(max_waiting=args.max_waiting, max_body_bytes=int(args.max_request_mb * mib),
                               max_images=args.max_images),
           media=MediaLimits(max_bytes=int(args.max_image_mb * mib), max_pixels=args.max_image_pixels,
-                            timeout_s=args.media_timeout, allowed_local_path=args.allowed_local_media_path))
+                            timeout_s=args.media_timeout, allowed_local_path=args.allowed_local_media_path),
+          render_workers=args.render_workers)
+    return 0
+
+
+def _tiny(args) -> int:
+    import tempfile
+
+    from .convert import convert
+    from .presets import save_tiny_checkpoint
+
+    from transformers import GenerationConfig
+
+    with tempfile.TemporaryDirectory() as stock:
+        dst = convert(save_tiny_checkpoint(Path(stock)), args.dst)
+    # Random weights seldom draw EOS: answers as long as a row holds (4,000 tokens) would take minutes on a CPU.
+    generation_config = GenerationConfig.from_pretrained(dst)
+    generation_config.max_new_tokens = TINY_MAX_NEW_TOKENS
+    generation_config.save_pretrained(dst)
+    print(f"wrote a tiny random-weight Qwen3-VL checkpoint to {dst} (e.g. python -m qwen3vl_static run {args.dst} "
+          "--input requests.jsonl --output answers.jsonl)")
     return 0
 
 

@@ -14,15 +14,15 @@ import sys
 from pathlib import Path
 
 import transformers
-from huggingface_hub import HfApi, ModelCardData, hf_hub_download, snapshot_download
+from huggingface_hub import HfApi, ModelCardData, snapshot_download
 from huggingface_hub.repocard import metadata_load
 from huggingface_hub.utils import tqdm
 from transformers.dynamic_module_utils import get_relative_import_files
 
+from .checkpoints import model_type, qwen3vl_config_file
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration, auto_map
 
-SOURCE_MODEL_TYPES = ("qwen3_vl", Qwen3VLGraphConfig.model_type)
 # Files of SRC that the conversion writes anew.
 REPLACED = ("config.json", "README.md")
 # What AutoProcessor reads from `preprocessor_config.json` to build the processor, as the Hub's Qwen3-VL repos name it.
@@ -98,7 +98,7 @@ def convert(src: str, dst: str, push_to_hub: str | None = None, private: bool = 
 def _check_destination(dst: Path) -> None:
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"DST {dst} exists and is not a folder")
-    if dst.is_dir() and any(dst.iterdir()) and _model_type(dst / "config.json") != Qwen3VLGraphConfig.model_type:
+    if dst.is_dir() and any(dst.iterdir()) and model_type(dst / "config.json") != Qwen3VLGraphConfig.model_type:
         raise ValueError(
             f"DST {dst} is not empty and is not a previous conversion (no config.json of model type "
             f"{Qwen3VLGraphConfig.model_type!r}); choose a new or empty folder"
@@ -108,35 +108,8 @@ def _check_destination(dst: Path) -> None:
 def _source_folder(src: str) -> tuple[Path, str | None]:
     """SRC's checked local folder and, when SRC is a Hub repo id, that id (config.json is checked before the rest
     is downloaded)."""
-    if Path(src).is_dir():
-        _check_source(src, Path(src) / "config.json")
-        return Path(src), None
-    if Path(src).exists():
-        raise ValueError(f"SRC {src} is a file, not a checkpoint folder or a Hub repo id")
-    try:
-        config_file = Path(hf_hub_download(src, "config.json"))
-    except Exception as error:
-        raise ValueError(f"SRC {src} is neither a checkpoint folder nor a downloadable Hub repo id: {error}") from error
-    _check_source(src, config_file)
-    return Path(snapshot_download(src)), src
-
-
-def _model_type(config_file: Path) -> str | None:
-    try:
-        return json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError):
-        return None
-
-
-def _check_source(src: str, config_file: Path) -> None:
-    if not config_file.is_file():
-        raise ValueError(f"SRC {src} has no config.json: not a transformers checkpoint")
-    model_type = _model_type(config_file)
-    if model_type not in SOURCE_MODEL_TYPES:
-        raise ValueError(
-            f"SRC {src} has model_type {model_type!r} in its config.json; only Qwen3-VL checkpoints (model_type "
-            f"{' or '.join(map(repr, SOURCE_MODEL_TYPES))}) can be converted"
-        )
+    config_file, hub_id = qwen3vl_config_file(src, "SRC")
+    return (config_file.parent if hub_id is None else Path(snapshot_download(src))), hub_id
 
 
 def _graph_config(config_file: Path) -> Qwen3VLGraphConfig:

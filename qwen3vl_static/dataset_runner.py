@@ -28,6 +28,7 @@ from transformers.utils.logging import tqdm
 
 from .batching_qwen3vl_graph import REQUEST_SETTINGS
 from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
+from .presets import pil_image_processor_class
 
 
 # The keys of an image part in transformers' chat format, each a path, URL or base64 data.
@@ -45,10 +46,10 @@ class ImageChatProcessor:
 
     @classmethod
     def from_pretrained(cls, model_path, **kwargs):
-        from transformers import AutoTokenizer, Qwen2VLImageProcessor
+        from transformers import AutoTokenizer
 
-        # Qwen2VLImageProcessor falls back to PIL without torchvision.
-        return cls(AutoTokenizer.from_pretrained(model_path, **kwargs), Qwen2VLImageProcessor.from_pretrained(model_path))
+        return cls(AutoTokenizer.from_pretrained(model_path, **kwargs),
+                   pil_image_processor_class().from_pretrained(model_path))
 
     def apply_chat_template(self, messages, **_):
         """The processor's outputs for one chat (`tokenize=True, add_generation_prompt=True, return_dict=True`)."""
@@ -127,11 +128,11 @@ def render(processor, line: str, base: Path) -> tuple:
     if unknown:
         raise _Failed(request_id, f"unknown fields {sorted(unknown)} (a request takes id, messages and "
                                   f"{', '.join(REQUEST_SETTINGS)})")
-    messages = [_with_local_paths(message, base) for message in record["messages"]]
     try:
+        messages = [_with_local_paths(message, base) for message in record["messages"]]
         inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
                                                return_tensors="pt")
-    except Exception as error:  # noqa: BLE001 - an image that does not load, a template that fails: this line's error
+    except Exception as error:  # noqa: BLE001 - a missing or unreadable image, a failing template: this line's error
         raise _Failed(request_id, f"{type(error).__name__}: {error}") from None
     settings = {key: record[key] for key in REQUEST_SETTINGS if key in record}
     return request_id, settings, dict(inputs)
@@ -197,7 +198,8 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
     # Lines render (their images decoded) while rows decode, two rows' worth ahead, not the whole file at once.
     manager.input_queue.maxsize = 2 * model.config.max_batch_size
     began = time.perf_counter()
-    seen = set()
+    first = first_lines(lines)  # a later line with the same id fails, on every run and whichever rank it falls to
+    pending = {}  # ids added and not yet written: their line numbers
     with target.open("a") as out, tqdm(desc=f"Answering (rank {rank})" if world > 1 else "Answering", unit="request",
                                        disable=not progress) as bar:
         def write(record):
@@ -209,12 +211,13 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
             bar.set_postfix(requests_per_s=f"{bar.n / seconds:.2f}", tokens_per_s=f"{counts['generated_tokens'] / seconds:.0f}")
 
         def take(result):
+            number = pending.pop(result.request_id)
             if result.status == RequestStatus.FINISHED:
                 counts["generated_tokens"] += len(result.generated_tokens)
                 write({"id": result.request_id, "answer": processor.decode(result.generated_tokens, skip_special_tokens=True),
                        "generated_tokens": len(result.generated_tokens), "error": None})
             else:
-                write({"id": result.request_id, "error": result.error})
+                write({"id": result.request_id, "error": f"line {number}: {result.error}"})
 
         manager.start()
         try:
@@ -223,26 +226,38 @@ def run_dataset(model, processor, input_path, output_path, progress: bool = True
                     continue
                 try:
                     request_id, own, inputs = render(processor, line, input_path.parent)
+                    if first[request_id] != number:
+                        raise ValueError(f"line {first[request_id]} of the input has the id {request_id!r} already")
                     if request_id in done:
                         counts["skipped"] += 1
                         continue
-                    if request_id in seen:
-                        raise ValueError(f"another line of the input has the id {request_id!r}")
-                    seen.add(request_id)
                     manager.add_request(**inputs, request_id=request_id, **{**settings, **own})
+                    pending[request_id] = number
                 except _Failed as error:
-                    write({"id": error.request_id, "error": str(error)})
+                    write({"id": error.request_id, "error": f"line {number}: {error}"})
                 except ValueError as error:
                     write({"id": f"line {number}", "error": str(error)})
                 while (result := manager.get_result(timeout=0)) is not None:
                     take(result)
+            manager.stop(block=False)
+            for result in manager:
+                take(result)
+        except KeyboardInterrupt:
+            # Ctrl-C: the batch ends at its next chunk, not after every request added, and its thread is joined (a
+            # thread still running at exit aborts the process); answers that finished meanwhile are written.
+            for request_id in pending:
+                manager.cancel_request(request_id)
+            manager.stop()
+            while (result := manager.get_result(timeout=0)) is not None:
+                if result.status == RequestStatus.FINISHED:
+                    take(result)
+            raise
         finally:
             manager.stop(block=False)
-        for result in manager:
-            take(result)
         manager.join()
     if manager.error is not None:
-        raise RuntimeError("the continuous batch stopped on an error") from manager.error
+        raise RuntimeError(f"the continuous batch stopped on an error: {type(manager.error).__name__}: "
+                           f"{manager.error}") from manager.error
     if world == 1:  # else rank 0 merges once every rank is done
         merge_in_input_order(input_path, output_path)
     counts["seconds"] = time.perf_counter() - began
@@ -261,12 +276,9 @@ def merge_in_input_order(input_path, output_path) -> None:
             held = records.get(record["id"])
             if held is None or held["error"] is not None:  # an answer is never replaced by an error
                 records[record["id"]] = record
-    order = {}
-    for number, line in enumerate(input_path.read_text().splitlines(), 1):
-        try:
-            order.setdefault(str(json.loads(line)["id"]), number)
-        except (ValueError, KeyError, TypeError):
-            pass
+    lines = input_path.read_text().splitlines()
+    order = first_lines(lines)
+    for number in range(1, len(lines) + 1):
         order.setdefault(f"line {number}", number)
     ranked = sorted(records.values(), key=lambda record: order.get(record["id"], len(order) + 1))
     staging = output_path.with_name(f"{output_path.name}.merging")
@@ -276,18 +288,35 @@ def merge_in_input_order(input_path, output_path) -> None:
         part.unlink()
 
 
+def first_lines(lines) -> dict:
+    """Each request id's first line number (from 1) in the input's `lines`."""
+    first = {}
+    for number, line in enumerate(lines, 1):
+        try:
+            first.setdefault(str(json.loads(line)["id"]), number)
+        except (ValueError, KeyError, TypeError):
+            pass
+    return first
+
+
 def _parts(message) -> list:
     content = message.get("content")
     return content if isinstance(content, list) else []
 
 
 def _with_local_paths(message, base: Path) -> dict:
-    """The message with each relative image path made relative to the input file's folder."""
+    """The message with each relative image path made relative to the input file's folder. Raises ValueError for a
+    path that names no file (base64 data has no "."; without this, transformers reads it as bad base64)."""
     parts = []
     for part in _parts(message):
         for key in ("image", "path"):
             source = part.get(key) if isinstance(part, dict) else None
-            if isinstance(source, str) and not source.startswith(("http://", "https://", "data:")) and (base / source).is_file():
-                part = {**part, key: str(base / source)}
+            if isinstance(source, str) and not source.startswith(("http://", "https://", "data:")):
+                path = base / Path(source).expanduser()
+                if path.is_file():
+                    part = {**part, key: str(path)}
+                elif "." in source:
+                    raise ValueError(f"image file not found: {source!r} (looked for {path}; a relative path is "
+                                     f"relative to the input file's folder)")
         parts.append(part)
     return {**message, "content": parts} if parts else message

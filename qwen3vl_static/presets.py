@@ -4,13 +4,11 @@ Not uploaded to the Hub. The real configs (architecture only; no weights exist o
 benchmarks with random weights of the exact shapes; the tiny config and processor drive CPU demos and tests.
 The 4B and 8B configs are the 2B's with those models' text and vision sizes (widths, depths, heads, DeepStack
 layers, tied embeddings or not); they were written offline and not checked against the published config.json files.
+Torch and transformers are imported where used: the command line reads `MODELS` before it imports them.
 """
 
 import json
 from pathlib import Path
-
-from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
-from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
 
 ASSETS = Path(__file__).with_name("assets")
 MODELS = ("2b", "4b", "8b")  # Qwen/Qwen3-VL-<size>-Instruct, each in assets/qwen3-vl-<size>/
@@ -56,8 +54,10 @@ def real_config_dict(model: str = "2b") -> dict:
     return values
 
 
-def real_config(model: str = "2b", **overrides) -> Qwen3VLGraphConfig:
+def real_config(model: str = "2b", **overrides):
     """The Qwen/Qwen3-VL-<model>-Instruct architecture (with `overrides`) as this package's config."""
+    from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
+
     return Qwen3VLGraphConfig(**{**real_config_dict(model), **overrides})
 
 
@@ -109,7 +109,9 @@ def tiny_config_dict() -> dict:
     }
 
 
-def tiny_config(**overrides) -> Qwen3VLGraphConfig:
+def tiny_config(**overrides):
+    from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
+
     return Qwen3VLGraphConfig(**{**tiny_config_dict(), **overrides})
 
 
@@ -149,13 +151,35 @@ def _byte_level_tokenizer(special_ids: dict, vocab_size: int):
     return tokenizer
 
 
-def tiny_image_processor():
-    from transformers import Qwen2VLImageProcessor
+def pil_image_processor_class():
+    """transformers' Qwen2-VL image processor on PIL, which needs no torchvision: 5.x's `Qwen2VLImageProcessorPil`
+    (there the plain name needs torchvision, and without it falls back to this class with a warning), 4.57's plain
+    `Qwen2VLImageProcessor`."""
+    try:
+        from transformers import Qwen2VLImageProcessorPil
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessor(
+
+def tiny_image_processor():
+    return pil_image_processor_class()(
         patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=256 * 256,
         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
     )
+
+
+def save_tiny_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """Write a stock Qwen3-VL checkpoint of the tiny config to `folder`, as `save_pretrained` writes one: random
+    weights (seeded), tokenizer and image processor. Returns `folder`."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    tiny_image_processor().save_pretrained(folder)
+    return folder
 
 
 def tiny_inputs(conversations, images=(), video_grids=(), tokenizer=None, image_processor=None, seed=0):
@@ -168,6 +192,8 @@ def tiny_inputs(conversations, images=(), video_grids=(), tokenizer=None, image_
     them, `mm_token_type_ids`.
     """
     import torch
+
+    from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
 
     tokenizer = tokenizer or tiny_tokenizer()
     image_processor = image_processor or tiny_image_processor()

@@ -11,7 +11,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.engine_qwen3vl_graph import GraphEngine
-from qwen3vl_static.presets import tiny_config, tiny_config_dict, tiny_image_processor, tiny_inputs, tiny_tokenizer
+from qwen3vl_static.presets import save_tiny_checkpoint, tiny_config, tiny_config_dict, tiny_inputs
 
 
 def pytest_collection_modifyitems(config, items):
@@ -80,13 +80,7 @@ AUTO_MAP = {
 }
 
 
-def save_stock_checkpoint(folder):
-    """A stock Qwen3-VL checkpoint as `save_pretrained` writes it: tiny model, tokenizer, image processor."""
-    torch.manual_seed(0)
-    Qwen3VLForConditionalGeneration(Qwen3VLConfig(**tiny_config_dict())).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    tiny_image_processor().save_pretrained(folder)
-    return folder
+save_stock_checkpoint = save_tiny_checkpoint  # a stock Qwen3-VL checkpoint as `save_pretrained` writes it
 
 
 def assert_clean(info):

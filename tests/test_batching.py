@@ -109,6 +109,7 @@ def test_a_bad_request_fails_alone():
                                      "top_p=2.0", "unknown", "repetition_penalty", "input_ids", "vocabulary"]):
         assert named in error
     assert "1000" in errors[1] and "a row holds 160" in errors[1]  # the request's length and the limit
+    assert "at least 1 token" in errors[3] and "row" not in errors[3]  # not a cache message: -3 fits any row
     assert [outputs[-2].generated_tokens, outputs[-1].generated_tokens] == expected[1:]
 
 
