@@ -16,13 +16,18 @@ fused epilogue), measured once per shape and device. Each engine owns one, so tw
 choices unseen.
 """
 
+import math
 import statistics
 
 import torch
 from transformers.utils import logging
 
 from .ops_matmul_qwen3vl_graph import silu_mul
-from .triton_qwen3vl_graph import compiling
+from .triton_qwen3vl_graph import compiling, triton
+
+# What a launch raises on a GPU that lacks the resources its kernel was compiled for: the skinny matmul's 6-stage and
+# preloaded tilings take up to 160 KB of shared memory, an L4, L40S or RTX 4090 has 99 KB per block.
+OutOfResources = triton.runtime.errors.OutOfResources if triton is not None else ()
 
 logger = logging.get_logger(__name__)
 
@@ -98,6 +103,7 @@ class KernelTuner:
         lines to write back). In the step a call sits between other kernels, which under programmatic dependent
         launch overlap its start and its end (Triton kernels do, cuBLAS does not): each graph puts the call between
         two small Triton kernels, so that overlap counts.
+        A candidate whose kernel needs more than the GPU has (shared memory) times `inf`.
         Synchronizes the device: each capture does, and the timings are read at the end."""
         device = torch.cuda.current_device()
         neighbour = torch.randn(1, 2048, dtype=torch.bfloat16, device=device)  # the step's SwiGLU kernel, compiled
@@ -108,9 +114,14 @@ class KernelTuner:
             silu_mul(neighbour)
 
         graphs = []
-        for candidate in candidates:
-            for _ in range(3):  # compiles the kernels, warms cuBLAS, measures the ops a candidate itself dispatches
-                between_neighbours(candidate)
+        for index, candidate in enumerate(candidates):
+            try:
+                for _ in range(3):  # compiles the kernels, warms cuBLAS, measures the ops a candidate itself dispatches
+                    between_neighbours(candidate)
+            except OutOfResources as error:  # raised at its first launch, before it ran: never chosen
+                logger.info(f"candidate {index} cannot run on this GPU: {error}")
+                graphs.append(None)
+                continue
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as the capturer's graphs
                 between_neighbours(candidate)
@@ -120,11 +131,14 @@ class KernelTuner:
                   for _ in candidates]
         for rep in range(reps):
             for graph, pairs in zip(graphs, events):
+                if graph is None:
+                    continue
                 flush.sum()
                 torch.cuda._sleep(self.SPIN_CYCLES)
                 start, end = pairs[rep]
                 start.record()
                 graph.replay()
                 end.record()
-        events[-1][-1][1].synchronize()
-        return [1000 * statistics.median(start.elapsed_time(end) for start, end in pairs) for pairs in events]
+        torch.cuda.synchronize(device)
+        return [1000 * statistics.median(start.elapsed_time(end) for start, end in pairs) if graph is not None
+                else math.inf for graph, pairs in zip(graphs, events)]

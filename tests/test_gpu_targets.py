@@ -1,8 +1,10 @@
 """Which kernels run on which GPU, decided from its compute capability (CPU): programmatic dependent launch from sm90,
 the FP8 kernels where Triton has float8 e4m3 (sm89 and later). On an A100 (sm80) FP8 weights take the torch ops with
-one notice, and the model still generates; `tests/test_compile_for_gpus.py` compiles what each target runs."""
+one notice, and the model still generates; a tiling the GPU lacks the shared memory for is never chosen.
+`tests/test_compile_for_gpus.py` compiles what each target runs."""
 
 import logging
+import math
 import sys
 from contextlib import ExitStack
 from unittest import mock
@@ -16,7 +18,7 @@ from ops_checks import needs_triton
 from qwen3vl_static import triton_qwen3vl_graph
 from qwen3vl_static.ops_qwen3vl_graph import TorchOps, TritonOps, make_ops
 from qwen3vl_static.triton_qwen3vl_graph import takes_e4m3, takes_pdl
-from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
+from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner, OutOfResources
 
 # capability: (PDL, FP8 kernels), for the GPUs users run.
 GPUS = {
@@ -74,3 +76,17 @@ def test_fp8_model_without_fp8_kernels_generates_like_stock(caplog):
     assert got.tolist() == expected.tolist()
     notices = [record for record in caplog.records if "no float8 e4m3" in record.getMessage()]
     assert len(notices) == 1
+
+
+@pytest.mark.cuda
+def test_a_candidate_the_gpu_cannot_run_is_never_chosen():
+    """A tiling that needs more shared memory than the GPU has (the skinny matmul's 6-stage ones on an sm89 GPU)
+    raises at its first launch: the tuner times it as `inf` and runs another."""
+    tuner = KernelTuner()
+    x = torch.randn(4, 64, device="cuda")
+
+    def too_large():
+        raise OutOfResources(163_840, 101_376, "shared memory")
+
+    assert torch.equal(tuner.measured("op", "4x64", x.device, [lambda: x * 2, too_large]), x * 2)
+    assert tuner.timings[("op", "4x64", x.device)][1] == math.inf
