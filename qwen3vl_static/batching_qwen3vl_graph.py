@@ -123,19 +123,14 @@ class StreamingSteps:
     bursts; but every chunk costs the host a read and the clients an output each. So: as few steps as the host and
     the clients keep up with. Doubles (up to `steps_per_sync`) when they fell behind the GPU (it had run out of queued
     work by the time the host queued more, or an event loop had not yet run the outputs handed to it a chunk
-    before); one step fewer once they kept up for `most` chunks in a row (each step too few costs the GPU a wait, so
-    at the balance at most one chunk in `most` + 1 does); without a measure (no CUDA events) it stays put."""
+    before), one step fewer when they kept up; without a measure (no CUDA events) it stays put."""
 
     def __init__(self, most: int):
-        self.most, self.steps, self.kept_up = most, 1, 0
+        self.most, self.steps = most, 1
 
     def next(self, behind: bool | None) -> int:
-        if behind:
-            self.steps, self.kept_up = min(self.most, 2 * self.steps), 0
-        elif behind is not None:
-            self.kept_up += 1
-            if self.kept_up == self.most:
-                self.steps, self.kept_up = max(1, self.steps - 1), 0
+        if behind is not None:
+            self.steps = min(self.most, 2 * self.steps) if behind else max(1, self.steps - 1)
         return self.steps
 
 

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -62,16 +63,67 @@ def bench_processor(model: str = "2b"):
 
 
 def server_main(argv=None) -> None:
-    """The server's process: `serve` on the bench model until SIGTERM."""
+    """The server's process: `serve` on the bench model until SIGTERM (with `--profile`, its threads' stacks sampled
+    meanwhile)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="2b")
+    parser.add_argument("--render-workers", type=int)
+    parser.add_argument("--profile", type=Path)
     args = parser.parse_args(argv)
     from .server import serve
 
     model = build_ours(torch.device("cuda"), torch.bfloat16, args.model)
     generate_exactly_as_asked(model)
-    serve(model, bench_processor(args.model), NAME, port=args.port)
+    sampler = StackSampler() if args.profile else None
+    serve(model, bench_processor(args.model), NAME, port=args.port, render_workers=args.render_workers)
+    if sampler is not None:
+        args.profile.write_text(json.dumps(sampler.report(), indent=1))
+
+
+class StackSampler:
+    """Where this process's threads spend their time: every INTERVAL s each thread's stack is read, counting each
+    function on it once (inclusive) and its innermost three frames (a sampling profiler, as py-spy, in-process)."""
+
+    INTERVAL = 0.002
+
+    def __init__(self):
+        import threading
+
+        self.samples, self.inclusive, self.innermost = Counter(), Counter(), Counter()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        while True:
+            time.sleep(self.INTERVAL)
+            names = {thread.ident: thread.name for thread in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name, seen, frames = names.get(ident, str(ident)), set(), []
+                while frame is not None:
+                    code = frame.f_code
+                    where = f"{Path(code.co_filename).name}:{code.co_name}"
+                    if len(frames) < 3:
+                        frames.append(f"{where}:{frame.f_lineno}")
+                    seen.add(where)
+                    frame = frame.f_back
+                self.samples[name] += 1
+                self.inclusive.update((name, where) for where in seen)
+                self.innermost[(name, " < ".join(frames))] += 1
+
+    def report(self) -> dict:
+        threads = [name for name, count in self.samples.most_common() if count > 10]
+        return {name: {"samples": self.samples[name],
+                       "inclusive": [(where, count) for (thread, where), count in self.inclusive.most_common()
+                                     if thread == name][:40],
+                       "innermost": [(frames, count) for (thread, frames), count in self.innermost.most_common()
+                                     if thread == name][:25]}
+                for name in threads}
 
 
 def image_url(generator: np.random.Generator) -> str:
@@ -223,8 +275,14 @@ def server_rows(args) -> dict:
         log = Path(file.name)
     rows, first_level_answers = [], None
     with log.open("w") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static.bench_server", "--port", str(port),
-                                    "--model", args.model], stdout=sink, stderr=subprocess.STDOUT)
+        child = ["--port", str(port), "--model", args.model]
+        if args.server_render_workers is not None:
+            child += ["--render-workers", str(args.server_render_workers)]
+        if args.server_profile:
+            args.out.mkdir(parents=True, exist_ok=True)
+            child += ["--profile", str(args.out / f"server-profile-render-workers-{args.server_render_workers}.json")]
+        process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static.bench_server", *child], stdout=sink,
+                                   stderr=subprocess.STDOUT)
     try:
         began = time.perf_counter()
         wait_until_up(base, process, log)
@@ -259,6 +317,7 @@ def server_rows(args) -> dict:
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG data URL",
             "image_processor": type(bench_processor(args.model).image_processor).__name__,
+            "render_workers": "default" if args.server_render_workers is None else args.server_render_workers,
             "question_tokens": QUESTION_TOKENS,
             "new_tokens": NEW_TOKENS}
 

@@ -161,11 +161,11 @@ def test_stop_strings_end_a_request_where_its_text_ends_in_one():
 
 
 def test_streaming_chunks_are_as_short_as_the_host_and_clients_keep_up_with():
-    steps = StreamingSteps(most=4)
+    steps = StreamingSteps(most=8)
     assert [steps.next(behind=None)] == [1]  # no measure: one step
-    assert [steps.next(behind=True) for _ in range(4)] == [2, 4, 4, 4]  # fell behind: longer chunks
-    assert [steps.next(behind=False) for _ in range(9)] == [4, 4, 4, 3, 3, 3, 3, 2, 2]  # kept up 4 times: one fewer
-    assert [steps.next(behind=True), steps.next(behind=None), steps.next(behind=False)] == [4, 4, 4]
+    assert [steps.next(behind=True) for _ in range(5)] == [2, 4, 8, 8, 8]  # fell behind: longer chunks
+    assert [steps.next(behind=False) for _ in range(9)] == [7, 6, 5, 4, 3, 2, 1, 1, 1]
+    assert [steps.next(behind=None), steps.next(behind=True), steps.next(behind=None)] == [1, 2, 2]
 
 
 def test_handlers_on_an_event_loop_get_every_output_in_order():
