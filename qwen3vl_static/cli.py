@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "(its own JSON, *-server-DATE.json; needs the serve extra)")
     bench.add_argument("--server-concurrency", type=int, nargs="+", default=[1, 16, 64, 256],
                        help="the --server concurrencies (default: 1 16 64 256)")
+    bench.add_argument("--server-render-workers", type=int,
+                       help="the --server server's --render-workers (default: serve's own default)")
+    bench.add_argument("--server-profile", action="store_true",
+                       help="sample the --server server's threads' stacks (server-profile-*.json beside the results)")
     bench.add_argument("--out", type=Path, default=Path("bench/results"),
                        help="folder for the JSON (and PNG) results (default: bench/results)")
     bench.set_defaults(run=_bench)
