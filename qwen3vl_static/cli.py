@@ -295,8 +295,8 @@ def _run(args) -> int:
                              max_batch_size=args.slots, **settings)
     except KeyboardInterrupt:
         answered = sum(record["error"] is None for _, record in read_records(args.output))
-        print(f"interrupted: {args.output} holds {answered} answers" + (" (its part files more)" if world > 1 else "")
-              + "; the same command again answers the rest", file=sys.stderr)
+        print(f"interrupted; answers in {args.output} so far: {answered}" + (" (and in its part files)" if world > 1
+              else "") + "; the same command again answers the rest", file=sys.stderr)
         return 130
     except Exception as error:  # noqa: BLE001 - every rank learns which failed; what they wrote stays
         if world == 1:

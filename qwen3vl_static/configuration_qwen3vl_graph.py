@@ -97,10 +97,15 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs) -> tuple[dict, dict]:
         """A stock Qwen3-VL config reads as this class's own: loading a stock checkpoint into this class is supported,
-        so `from_pretrained` must not warn about a foreign model type (it still does for any other type)."""
+        so `from_pretrained` must not warn about a foreign model type. Any other model type is refused: transformers
+        would only warn, then build a default-size Qwen3-VL (GBs) around weights that do not fit it."""
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        if config_dict.get("model_type") == Qwen3VLConfig.model_type:
+        model_type = config_dict.get("model_type")
+        if model_type == Qwen3VLConfig.model_type:
             config_dict = {**config_dict, "model_type": cls.model_type}
+        elif model_type not in (cls.model_type, None):
+            raise ValueError(f"{pretrained_model_name_or_path} holds a {model_type!r} checkpoint, not a Qwen3-VL one "
+                             f"(model_type {Qwen3VLConfig.model_type!r} or {cls.model_type!r})")
         return config_dict, kwargs
 
     def __post_init__(self, **kwargs):  # transformers 5.x; on 4.57 the model calls `validate_graph_settings`

@@ -8,8 +8,10 @@ input file), rendered by
 the model's processor. Requests run by continuous batching (`init_continuous_batching`) while later lines are read
 and rendered; each answer is written and flushed as soon as it finishes, `{"id", "answer", "generated_tokens",
 "error": null}`, so a killed run loses nothing written, and a rerun skips the ids the output already answers. A line
-that cannot run (bad JSON, no id or messages, an image that does not load, a request the model refuses) becomes an
-`{"id", "error"}` record; the others go on. When the run ends the output is rewritten in input order.
+that cannot run (bad JSON, no id or messages, an id an earlier line has, an image file that is missing or does not
+load, a request the model refuses) becomes an `{"id", "error"}` record whose error names its line; the others go on.
+Ctrl-C cancels the requests in flight and ends the batch (answers finished by then are written). When the run ends
+the output is rewritten in input order.
 
 Under `torchrun --nproc-per-node N` (one model per GPU) each rank takes a share of the requests by estimated cost
 (`share_out`), writes its answers as they finish to a part file of its own (`part_path`), and rank 0 merges the parts

@@ -151,7 +151,7 @@ def test_ctrl_c_on_run_exits_130_keeping_the_answers_and_a_rerun_finishes(stock,
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and "terminate called" not in stderr and "torchvision" not in stderr, stderr
     records = [json.loads(line) for line in output.read_text().splitlines()]  # each whole
-    assert f"interrupted: {output} holds {len(records)} answers; the same command again answers the rest" in stderr
+    assert f"interrupted; answers in {output} so far: {len(records)}; the same command again answers the rest" in stderr
     assert 1 <= len(records) < len(lines) and all(record["error"] is None for record in records)
     assert main(arguments) == 0
     assert sorted(json.loads(line)["id"] for line in output.read_text().splitlines()) == sorted(
