@@ -68,7 +68,6 @@ def server_main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="2b")
-    parser.add_argument("--render-workers", type=int)
     parser.add_argument("--profile", type=Path)
     args = parser.parse_args(argv)
     from .server import serve
@@ -76,7 +75,7 @@ def server_main(argv=None) -> None:
     model = build_ours(torch.device("cuda"), torch.bfloat16, args.model)
     generate_exactly_as_asked(model)
     sampler = StackSampler() if args.profile else None
-    serve(model, bench_processor(args.model), NAME, port=args.port, render_workers=args.render_workers)
+    serve(model, bench_processor(args.model), NAME, port=args.port)
     if sampler is not None:
         args.profile.write_text(json.dumps(sampler.report(), indent=1))
 
@@ -276,11 +275,9 @@ def server_rows(args) -> dict:
     rows, first_level_answers = [], None
     with log.open("w") as sink:
         child = ["--port", str(port), "--model", args.model]
-        if args.server_render_workers is not None:
-            child += ["--render-workers", str(args.server_render_workers)]
         if args.server_profile:
             args.out.mkdir(parents=True, exist_ok=True)
-            child += ["--profile", str(args.out / f"server-profile-render-workers-{args.server_render_workers}.json")]
+            child += ["--profile", str(args.out / "server-profile.json")]
         process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static.bench_server", *child], stdout=sink,
                                    stderr=subprocess.STDOUT)
     try:
@@ -317,7 +314,6 @@ def server_rows(args) -> dict:
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG data URL",
             "image_processor": type(bench_processor(args.model).image_processor).__name__,
-            "render_workers": "default" if args.server_render_workers is None else args.server_render_workers,
             "question_tokens": QUESTION_TOKENS,
             "new_tokens": NEW_TOKENS}
 

@@ -134,9 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pixels of an image, width x height (default 4096 x 4096)")
     server.add_argument("--max-image-mb", type=float, default=20, help="an image's encoded size, MiB (default 20)")
     server.add_argument("--media-timeout", type=float, default=10, help="seconds to fetch an image URL (default 10)")
-    server.add_argument("--render-workers", type=int, default=None,
-                        help="processes that decode images and run the processor (default: half the CPU cores, at "
-                        "most 8; 0: threads of the server's process)")
     server.add_argument("--allowed-local-media-path", type=Path,
                         help="a folder whose images requests may name by file:// URL (default: none)")
     server.add_argument("--device", help=DEVICE_HELP)
@@ -179,8 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
                        "(its own JSON, *-server-DATE.json; needs the serve extra)")
     bench.add_argument("--server-concurrency", type=int, nargs="+", default=[1, 16, 64, 256],
                        help="the --server concurrencies (default: 1 16 64 256)")
-    bench.add_argument("--server-render-workers", type=int,
-                       help="the --server server's --render-workers (default: serve's own default)")
     bench.add_argument("--server-profile", action="store_true",
                        help="sample the --server server's threads' stacks (server-profile-*.json beside the results)")
     bench.add_argument("--out", type=Path, default=Path("bench/results"),
@@ -346,8 +341,7 @@ def _serve(args) -> int:
           limits=ServerLimits(max_waiting=args.max_waiting, max_body_bytes=int(args.max_request_mb * mib),
                               max_images=args.max_images),
           media=MediaLimits(max_bytes=int(args.max_image_mb * mib), max_pixels=args.max_image_pixels,
-                            timeout_s=args.media_timeout, allowed_local_path=args.allowed_local_media_path),
-          render_workers=args.render_workers)
+                            timeout_s=args.media_timeout, allowed_local_path=args.allowed_local_media_path))
     return 0
 
 

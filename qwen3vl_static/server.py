@@ -14,22 +14,17 @@ import asyncio
 import itertools
 import json
 import logging
-import multiprocessing
-import os
 import secrets
 import signal
 import sys
 import time
 import uuid
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Annotated, Literal
 
 import httpx
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
@@ -41,9 +36,6 @@ from .media import MediaError, MediaLimits, decode_image, fetch_image_data
 
 logger = logging.getLogger(__name__)
 
-# Processes that decode requests' images and run the processor: most of a request's host work, kept off the GIL that
-# the event loop and the batch's thread share.
-DEFAULT_RENDER_WORKERS = min(8, max(1, (os.cpu_count() or 2) // 2))
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
                413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
 
@@ -263,15 +255,10 @@ class OpenAIServer:
     """The endpoints over one model's continuous-batching manager (`app()`: the FastAPI application)."""
 
     def __init__(self, model, processor, model_name: str, api_key: str | None = None, max_batch_size: int | None = None,
-                 limits: ServerLimits = ServerLimits(), media: MediaLimits = MediaLimits(),
-                 render_workers: int | None = None):
-        render_workers = DEFAULT_RENDER_WORKERS if render_workers is None else render_workers
-        if render_workers < 0:
-            raise ValueError(f"render_workers must be 0 (render in this process) or more, got {render_workers}")
+                 limits: ServerLimits = ServerLimits(), media: MediaLimits = MediaLimits()):
         self.model, self.processor, self.model_name, self.api_key = model, processor, model_name, api_key
         self.tokenizer = getattr(processor, "tokenizer", processor)
-        self.limits, self.media, self.render_workers = limits, media, render_workers
-        self.renderers = None  # the render workers' pool, while the app runs
+        self.limits, self.media = limits, media
         self.manager = model.init_continuous_batching(max_batch_size=max_batch_size, tokenizer=self.tokenizer)
         engine = model.graph_engine()
         # A row holds the prompt, the answer and the steps a row may run past its end.
@@ -288,20 +275,11 @@ class OpenAIServer:
         async def lifespan(_):
             async with httpx.AsyncClient() as client:
                 self.http = client
-                if self.render_workers:
-                    self.renderers = ProcessPoolExecutor(
-                        self.render_workers, mp_context=multiprocessing.get_context("spawn"),
-                        initializer=_start_renderer, initargs=(self.processor, self.media))
-                    loop = asyncio.get_running_loop()  # started now, not by the first requests
-                    await asyncio.gather(*(loop.run_in_executor(self.renderers, os.getpid)
-                                           for _ in range(self.render_workers)))
                 self.manager.start()
                 try:
                     yield
                 finally:  # uvicorn let the requests in flight finish first
                     await asyncio.to_thread(self.manager.stop)
-                    if self.renderers is not None:
-                        self.renderers.shutdown(cancel_futures=True)
 
         app = FastAPI(title="qwen3vl_static", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(APIError, lambda _, error: JSONResponse(error.body(), status_code=error.status))
@@ -398,22 +376,14 @@ class OpenAIServer:
             raise APIError(400, f"Image {number}: {error}", param="messages") from None
 
     async def _render(self, messages) -> dict:
-        """The model inputs of a chat whose images are still encoded (`render_chat`), in a render worker or (none)
-        a thread of this process."""
+        """The model inputs of a chat whose images are still encoded (`render_chat`), off the event loop."""
         try:
-            if self.renderers is None:
-                arrays = await asyncio.to_thread(render_chat, self.processor, self.media, messages)
-            else:
-                arrays = await asyncio.get_running_loop().run_in_executor(self.renderers, _render_in_worker, messages)
-        except BrokenProcessPool:
-            raise APIError(503, "The render workers stopped (one was killed or ran out of memory); restart the "
-                                "server") from None
+            return await asyncio.to_thread(render_chat, self.processor, self.media, messages)
         except MediaError as error:
             raise APIError(400, str(error), param="messages") from None
         except Exception as error:  # noqa: BLE001 - what the model's chat template or processor refuses
             raise APIError(400, f"The model's chat template could not render these messages "
                                 f"({type(error).__name__}: {error})", param="messages") from None
-        return {key: torch.from_numpy(value) for key, value in arrays.items()}
 
     def _stopped(self) -> APIError:
         reason = f"on an error: {self.manager.error}" if self.manager.error is not None else "(shutting down)"
@@ -516,8 +486,7 @@ class OpenAIServer:
 
 def render_chat(processor, media: MediaLimits, messages: list) -> dict:
     """The processor's inputs for one chat whose image parts hold encoded images: each decoded within `media`'s limits
-    (a `MediaError` names the image by its number), then the chat template; numpy arrays, cheap to send from a
-    worker process."""
+    (a `MediaError` names the image by its number), then the chat template."""
     numbers = itertools.count(1)
 
     def decoded(part):
@@ -531,23 +500,8 @@ def render_chat(processor, media: MediaLimits, messages: list) -> dict:
 
     chat = [{**message, "content": message["content"] if isinstance(message["content"], str) else
              [decoded(part) for part in message["content"]]} for message in messages]
-    inputs = processor.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                           return_tensors="pt")
-    return {key: value.numpy() for key, value in inputs.items()}
-
-
-_renderer = None  # a render worker's (processor, media limits)
-
-
-def _start_renderer(processor, media: MediaLimits) -> None:
-    global _renderer
-    _renderer = processor, media
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server drains them
-    torch.set_num_threads(1)  # one request at a time each; the workers share the cores
-
-
-def _render_in_worker(messages: list) -> dict:
-    return render_chat(*_renderer, messages)
+    return dict(processor.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True,
+                                              return_tensors="pt"))
 
 
 def _drain(outputs: asyncio.Queue) -> list:
