@@ -528,7 +528,8 @@ def _check_generate_inputs(config, input_ids, kwargs, device) -> None:
     a kernel: tensors on the meta device (no data to read), token ids outside the vocabulary, an attention mask of
     another shape, pixels without their grid, image (video) placeholders in the prompt's uncached tokens that do not
     match the pixels' merged patches, and placeholders without pixels after the cache passed back lost what it held.
-    `device`: the model's, for the messages."""
+    `device`: the model's, for the messages. An assistant's call (assisted decoding) gets the main call's pixels with
+    a cache that holds their placeholders; transformers drops them there, so they are not checked against the prompt."""
     for name, value in {"input_ids": input_ids, **kwargs}.items():
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
             raise ValueError(
@@ -546,9 +547,11 @@ def _check_generate_inputs(config, input_ids, kwargs, device) -> None:
     cache = kwargs.get(CACHE_KWARG)
     held = 0 if cache is None else cache.filled() if isinstance(cache, ASStaticCache) else int(cache.get_seq_length())
     uncached = input_ids[:, held:]
+    assistant = getattr(kwargs.get("generation_config"), "is_assistant", False)
     media = [(kind, token, kwargs.get(pixels), kwargs.get(f"{kind}_grid_thw"))
              for kind, token, pixels in (("image", config.image_token_id, "pixel_values"),
-                                         ("video", config.video_token_id, "pixel_values_videos"))]
+                                         ("video", config.video_token_id, "pixel_values_videos"))
+             if not assistant]
     for kind, _, pixels, grid in media:
         if pixels is not None and grid is None:
             raise ValueError(f"{kind} pixels were passed without `{kind}_grid_thw`: pass the processor's {kind}_grid_thw "

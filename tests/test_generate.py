@@ -255,6 +255,16 @@ def test_returned_cache_is_the_persistent_static_cache_and_a_dynamic_cache_is_ke
         assert torch.allclose(got_layer.keys, expected_layer.keys, atol=1e-5)
 
 
+def test_assisted_decoding_on_an_image_prompt_matches_stock(tiny_pair):
+    """The model as its own assistant: transformers' loop calls the assistant's `generate` with the main call's pixels
+    and a cache that already holds their placeholders (they are dropped there, not checked against the prompt)."""
+    ours, stock = tiny_pair
+    model_inputs = build(ONE_IMAGE)
+    expected = stock.generate(**model_inputs, assistant_model=stock, max_new_tokens=5, do_sample=False)
+    assert ours.generate(**model_inputs, assistant_model=ours, max_new_tokens=5, do_sample=False).tolist() == (
+        expected.tolist())
+
+
 def test_inputs_embeds_run_the_stock_loop(tiny_pair):
     ours, stock = tiny_pair
     model_inputs = build((TEXT, {}))
