@@ -1,15 +1,18 @@
 """Compiles, without a GPU, every Triton kernel the model launches on each GPU target named on the command line
-(sm80 sm89 sm90 sm100), at every form and tiling its kernel tuner offers: the decode steps (greedy, sampled, top-k
-sampled) at batch sizes 1 to 64 and one above every SM count, a prefill and the vision tower, on the Qwen3-VL-2B's
-shapes (one decoder layer and one vision block: the others launch the same kernels), with bf16 weights and, where
-the target has float8 e4m3 (`takes_e4m3`), FP8 ones.
+(sm80 sm89 sm90 sm100), in every form its kernel tuner offers: the decode steps (greedy at batch sizes 1 to 64, and
+sampled, top-k sampled), a prefill of more tokens than SMs and the vision tower, on the Qwen3-VL-2B's shapes (one
+decoder layer and one vision block: the others launch the same kernels), with bf16 weights and, where the target has
+float8 e4m3 (`takes_e4m3`), FP8 ones. A form is a kernel with one set of on/off switches, pipeline stages and
+argument types, compiled at the first tiling met; `--every-tiling` compiles each tiling and row count (about 400
+variants a target, minutes each).
 
 The engine runs on CPU tensors while kernels compile ahead (`compiling_ahead`: the tuner runs every candidate and
 times none); each launch compiles for the target instead, with programmatic dependent launch where the target has it
-(`takes_pdl`), at the tilings that the SM counts of the target's GPUs give. On a target without e4m3 it checks that
-the FP8 kernels indeed fail to compile there (the model gives them the torch ops). `test_compile_for_gpus.py` runs
-this in a process without TRITON_INTERPRET, which would make the kernels Python functions. Exits non-zero, naming the
-launch, if a compilation fails or a kernel the model has was never launched."""
+(`takes_pdl`), at the tilings that the SM counts of the target's GPUs give, and checks the shared memory it takes
+against the target's. On a target without e4m3 it checks that the FP8 kernels indeed fail to compile there (the model
+gives them the torch ops). `test_compile_for_gpus.py` runs this in a process without TRITON_INTERPRET, which would
+make the kernels Python functions. Exits non-zero, naming the launch, if a compilation fails, a kernel that no tuner
+candidate replaces needs more shared memory than the target has, or a kernel the model has was never launched."""
 
 import argparse
 import sys
@@ -49,14 +52,13 @@ OP_MODULES = [module for name, module in sys.modules.items() if name.startswith(
 
 
 class CompileFailed(Exception):
-    pass
+    """A launch that does not compile for the target, or would not run there."""
 
 
 class Compiler:
     """`launch` for one target: compiles what `launch` would compile on that GPU (tensors as 16-byte-aligned pointers,
-    integers divisible by 16 marked so, as Triton specializes them; constexprs and launch options as given). Each
-    form once (a kernel with one set of on/off switches, pipeline stages and argument types; what fails to compile
-    fails in every tiling of it), or with `every_tiling` each variant once."""
+    integers divisible by 16 marked so, as Triton specializes them; constexprs and launch options as given), each
+    form once, or with `every_tiling` each variant once."""
 
     def __init__(self, capability, shared_memory, every_tiling: bool):
         self.target = GPUTarget("cuda", 10 * capability[0] + capability[1], 32)
@@ -83,7 +85,7 @@ class Compiler:
                 signature[name] = "i32"
                 if arg % 16 == 0 and not kernel.params[index].do_not_specialize:
                     attrs[(index,)] = [["tt.divisibility", 16]]
-        switches = kwargs if self.every_tiling else {name: value for name, value in kwargs.items() if type(value) is bool}
+        switches = kwargs if self.every_tiling else {name: on for name, on in kwargs.items() if type(on) is bool}
         key = (kernel.fn.__name__, tuple(sorted(signature.items())), tuple(sorted(switches.items())),
                options.get("num_stages"), *((tuple(sorted(options.items())), tuple(sorted(attrs))) if self.every_tiling
                                             else ()))
@@ -98,10 +100,12 @@ class Compiler:
         self.compiled.add(key)
         if shared > self.shared_memory:
             if kernel.fn.__name__ not in MEASURED_ONLY:
-                raise CompileFailed(f"{described} needs {shared} bytes of shared memory, the GPU has {self.shared_memory}")
+                raise CompileFailed(f"{described} needs {shared} bytes of shared memory, the GPU has "
+                                    f"{self.shared_memory}")
             self.too_large += 1
 
     def kernels(self) -> set:
+        """The names of the kernels compiled."""
         return {key[0] for key in self.compiled}
 
 
@@ -176,8 +180,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("targets", nargs="*", help=f"of {', '.join(TARGETS)} (default: all)")
     parser.add_argument("--every-tiling", action="store_true",
-                        help="compile each tiling and row count the tuner offers (about 400 variants a target), "
-                             "not each form once")
+                        help="compile each tiling and row count the tuner offers, not each form once")
     args = parser.parse_args()
     if unknown := set(args.targets) - set(TARGETS):
         parser.error(f"unknown targets {', '.join(sorted(unknown))}: the targets are {', '.join(TARGETS)}")

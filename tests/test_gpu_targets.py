@@ -29,8 +29,8 @@ GPUS = {
     "B200": ((10, 0), (True, True)),
 }
 # The op files, each holding `launch` under its own name.
-LAUNCHING_MODULES = [module for name, module in sys.modules.items()
-                     if name.startswith("qwen3vl_static.ops_") and getattr(module, "launch", None) is triton_qwen3vl_graph.launch]
+LAUNCHING_MODULES = [module for name, module in sys.modules.items() if name.startswith("qwen3vl_static.ops_")
+                     and getattr(module, "launch", None) is triton_qwen3vl_graph.launch]
 
 
 @pytest.mark.parametrize("capability, expected", GPUS.values(), ids=GPUS.keys())
