@@ -11,9 +11,9 @@ from unittest import mock
 
 import pytest
 import torch
-from test_fp8_model import CASES, fp8_pair
 from conftest import build
 from ops_checks import needs_triton
+from test_fp8_model import CASES, fp8_pair
 
 from qwen3vl_static import triton_qwen3vl_graph
 from qwen3vl_static.ops_qwen3vl_graph import TorchOps, TritonOps, make_ops
