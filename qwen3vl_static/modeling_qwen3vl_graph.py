@@ -49,6 +49,7 @@ from .batching_qwen3vl_graph import (
 from .cache_qwen3vl_graph import ASStaticCache
 from .compat_qwen3vl_graph import CACHE_KWARG, first_decode_positions, generate_output, media_features, prompt_positions
 from .configuration_qwen3vl_graph import Qwen3VLGraphConfig
+from .draft_qwen3vl_graph import Eagle3Draft, load_draft, speculative_greedy
 from .engine_qwen3vl_graph import GraphEngine
 from .fp8_qwen3vl_graph import fp8_at_load_config, quantizes_fp8_at_load, unsupported_weights
 from .loops_qwen3vl_graph import device_loop, device_plan, host_loop
@@ -129,6 +130,7 @@ class Qwen3VLGraphModel(Qwen3VLModel):
 # `GenerationMixin` named directly, as transformers asks of custom code (it checks the direct bases).
 class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, GenerationMixin):
     config: Qwen3VLGraphConfig
+    _draft = None  # `load_draft`'s EAGLE-3 draft
 
     def __init__(self, config: Qwen3VLGraphConfig):
         config.validate_graph_settings()
@@ -213,6 +215,26 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         finally:
             for (owner, name), value in saved.items():
                 setattr(owner, name, value)
+
+    def load_draft(self, path_or_repo_id, **hub_kwargs) -> Eagle3Draft:
+        """Load an EAGLE-3 draft head for this model from a folder or Hub repo (`config.json` and `model.safetensors`
+        as AngelSlim and SpecForge publish them; `hub_kwargs` as for `from_pretrained`: revision, token, cache_dir,
+        ...), on the model's device in its dtype. A draft of another architecture or for another target is refused
+        with a ValueError naming what differs, before anything is attached. For now only the reference loop
+        (`_speculative_greedy`) uses it; `generate` does not."""
+        draft = load_draft(path_or_repo_id, self, **hub_kwargs)
+        # Outside the module tree: the model's own checkpoint keeps the stock layout.
+        object.__setattr__(self, "_draft", draft)
+        return draft
+
+    def _speculative_greedy(self, input_ids, max_new_tokens: int, num_draft_tokens: int = 4, **model_inputs):
+        """Greedy generation of one prompt with the loaded draft (`speculative_greedy`, eager torch): the reference
+        the in-graph speculative loop must equal. Returns the sequences and the acceptance stats."""
+        if self._draft is None:
+            raise ValueError(f"{type(self).__name__} has no draft: call load_draft(path_or_repo_id) first.")
+        with self._generate_lock:
+            return speculative_greedy(self, self._draft, input_ids, max_new_tokens, num_draft_tokens,
+                                      self.generation_config.eos_token_id, **model_inputs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Name every Auto class in `auto_map`, not only the ones the classes were registered for.

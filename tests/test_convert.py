@@ -1,6 +1,7 @@
 """`python -m qwen3vl_static convert`: a stock checkpoint becomes a custom-code repo that loads and generates like
 the stock model where this package is not installed, from a folder or by repo id from the Hub cache (CPU, tiny)."""
 
+import ast
 import hashlib
 import inspect
 import json
@@ -173,6 +174,19 @@ def test_convert_writes_a_custom_code_repo(src, dst):
         assert usage in readme
     assert all(f"`{field}`" in readme for field in inspect.get_annotations(Qwen3VLGraphConfig))
     assert "bench/README.md" in readme
+
+
+def test_custom_code_imports_only_torch_transformers_and_the_standard_library():
+    """What travels to the Hub imports torch, transformers, the standard library, optionally Triton, and its siblings
+    (one-level relative imports): nothing else is sure to be installed where it loads."""
+    for path in hub_module_files():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        roots = {alias.name.partition(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+        roots |= {node.module.partition(".")[0] for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.level == 0}
+        assert roots - set(sys.stdlib_module_names) <= {"torch", "transformers", "triton"}, path.name
+        assert all(node.level <= 1 for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)), path.name
 
 
 # AutoModelForVision2Seq exists on transformers <= 4.57 only; converted repos name it for those users.

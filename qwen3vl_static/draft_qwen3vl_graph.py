@@ -1,0 +1,374 @@
+# Copyright 2026 The qwen3vl-static Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""EAGLE-3 draft heads for a Qwen3-VL target: the published checkpoint format, its checks against the target, and
+the reference speculative greedy loop (batch 1, eager torch) that the in-graph loop must equal.
+
+The format (docs/design.md, "Speculative decoding: the EAGLE-3 draft format"), as AngelSlim and SpecForge train it
+and vLLM / SGLang load it: `config.json` of a one-layer Llama (architecture `Eagle3LlamaForCausalLM` or
+`LlamaForCausalLMEagle3`) with `draft_vocab_size`, optional `target_hidden_size`, `target_model_type` and
+`eagle_config.eagle_aux_hidden_state_layer_ids`, M-RoPE in `rope_scaling` where it has an `mrope_section`; and
+`model.safetensors` with `fc.weight` (3 target hidden states -> hidden), `midlayer.*` (one decoder layer whose q/k/v
+read the normed embedding and the normed hidden state side by side, 2 * hidden wide), `norm.weight`, `lm_head.weight`
+(over the draft vocabulary), `d2t` (draft id -> target id offset) and `t2d` (which target ids the draft has), and
+`embed_tokens.weight` unless the target's embedding is shared.
+"""
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_utils import load_state_dict
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.utils import cached_file
+
+from .compat_qwen3vl_graph import CACHE_KWARG, generate_position_ids, prompt_positions
+
+# AngelSlim and vLLM name the draft class the first way, SpecForge and SGLang the second.
+ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")
+TARGET_MODEL_TYPES = ("qwen3_vl",)  # `target_model_type`, where the draft's config names one
+_REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size", "rms_norm_eps")
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """The target layers whose outputs the draft reads when its config names none (AngelSlim's and SpecForge's
+    training default; vLLM's `(2, L // 2, L - 3)` counts the same states as inputs of the next layer)."""
+    return 1, num_layers // 2 - 1, num_layers - 4
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """The sizes and settings of a draft, from its `config.json`, checked against the target's text config."""
+
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    layer_ids: tuple[int, ...]
+    rms_norm_eps: float
+    hidden_act: str
+    attention_bias: bool
+    rope_theta: float
+    # Per rotary frequency, the M-RoPE row (0 T, 1 H, 2 W) its angle reads; None: 1-D RoPE over cache slots.
+    mrope_rows: tuple[int, ...] | None
+
+    @classmethod
+    def from_config(cls, config: dict, target_config) -> "DraftSpec":
+        """Raise a ValueError naming what differs when `config` is not an EAGLE-3 draft for this target."""
+        architectures = config.get("architectures") or []
+        if not set(architectures) & set(ARCHITECTURES):
+            raise ValueError(f"The draft's config.json names architectures {architectures}; an EAGLE-3 draft names "
+                             f"one of {list(ARCHITECTURES)}.")
+        missing = [key for key in _REQUIRED if key not in config]
+        if missing:
+            raise ValueError(f"The draft's config.json has no {', '.join(missing)}.")
+        text = target_config.get_text_config(decoder=True)
+        target = (f"the target's text model (hidden size {text.hidden_size}, vocabulary {text.vocab_size}, "
+                  f"{text.num_hidden_layers} layers)")
+
+        def refuse(what):
+            raise ValueError(f"This EAGLE-3 draft is not for {target}: {what}.")
+
+        if config.get("num_hidden_layers", 1) != 1:
+            refuse(f"it has {config['num_hidden_layers']} decoder layers; the format has one")
+        if config.get("target_model_type", TARGET_MODEL_TYPES[0]) not in TARGET_MODEL_TYPES:
+            refuse(f"its target_model_type is {config['target_model_type']!r}")
+        target_hidden = config.get("target_hidden_size", config["hidden_size"])
+        if target_hidden != text.hidden_size:
+            refuse(f"it reads hidden states {target_hidden} wide")
+        if config["vocab_size"] != text.vocab_size:
+            refuse(f"its vocabulary has {config['vocab_size']} tokens")
+        draft_vocab = config.get("draft_vocab_size") or config["vocab_size"]
+        if not 0 < draft_vocab <= config["vocab_size"]:
+            refuse(f"its draft_vocab_size {draft_vocab} is not within its vocabulary of {config['vocab_size']}")
+        layer_ids = tuple((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+                          or default_layer_ids(text.num_hidden_layers))
+        if len(layer_ids) != 3 or not all(0 <= index < text.num_hidden_layers for index in layer_ids):
+            refuse(f"it reads the hidden states of layers {list(layer_ids)}: three of 0..{text.num_hidden_layers - 1}")
+        if config.get("norm_before_residual"):
+            refuse("norm_before_residual is set; this format keeps the residual before the hidden norm")
+        if config.get("hidden_act", "silu") not in ACT2FN:
+            refuse(f"its hidden_act {config['hidden_act']!r} is unknown to transformers")
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):
+            refuse(f"its RoPE type {rope_type!r} is not plain or M-RoPE")
+        section = rope.get("mrope_section")
+        rows = None
+        if section:
+            if 2 * sum(section) != head_dim:
+                refuse(f"its mrope_section {section} does not cover half the head dimension {head_dim}")
+            if rope.get("mrope_interleaved"):  # Qwen3-VL: H and W take every third frequency, from 1 and 2
+                rows = [0] * (head_dim // 2)
+                for row in (1, 2):
+                    rows[row:3 * section[row]:3] = [row] * len(range(row, 3 * section[row], 3))
+            else:  # Qwen2-VL: consecutive sections
+                rows = [row for row, size in enumerate(section) for _ in range(size)]
+        return cls(
+            hidden_size=config["hidden_size"], target_hidden_size=target_hidden,
+            intermediate_size=config["intermediate_size"], num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
+            vocab_size=config["vocab_size"], draft_vocab_size=draft_vocab, layer_ids=layer_ids,
+            rms_norm_eps=config["rms_norm_eps"], hidden_act=config.get("hidden_act", "silu"),
+            attention_bias=bool(config.get("attention_bias", False)),
+            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            mrope_rows=tuple(rows) if rows else None,
+        )
+
+
+def _rotated(x, cos, sin):
+    """RoPE in the Llama layout (each frequency's two components half a head apart)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Eagle3Attention(nn.Module):
+    """Causal attention over the draft's own K/V, from the 2 * hidden wide input; keeps the K/V it wrote."""
+
+    def __init__(self, spec: DraftSpec):
+        super().__init__()
+        wide, bias = 2 * spec.hidden_size, spec.attention_bias
+        self.q_proj = nn.Linear(wide, spec.num_heads * spec.head_dim, bias=bias)
+        self.k_proj = nn.Linear(wide, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.v_proj = nn.Linear(wide, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=bias)
+        self.spec = spec
+        self.keys = self.values = None
+
+    def forward(self, x, cos, sin, start: int):
+        """`x` (1, n, 2 * hidden) at cache slots `start`..`start + n - 1`; what the cache held from `start` on is
+        replaced."""
+        spec, n = self.spec, x.shape[1]
+
+        def heads(projection, count):
+            return projection(x).view(1, n, count, spec.head_dim).transpose(1, 2)
+
+        q = _rotated(heads(self.q_proj, spec.num_heads), cos, sin)
+        k = _rotated(heads(self.k_proj, spec.num_kv_heads), cos, sin)
+        v = heads(self.v_proj, spec.num_kv_heads)
+        if start:
+            k, v = torch.cat([self.keys[:, :, :start], k], dim=2), torch.cat([self.values[:, :, :start], v], dim=2)
+        self.keys, self.values = k, v
+        group = spec.num_heads // spec.num_kv_heads
+        slots = torch.arange(start + n, device=x.device)
+        mask = slots[None, :] <= slots[start:, None]
+        out = nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, spec: DraftSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.act_fn = ACT2FN[spec.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The draft's one decoder layer (`midlayer`): attention over [norm(embedding), norm(hidden)], the residual being
+    the hidden state before its norm; then the usual MLP block."""
+
+    def __init__(self, spec: DraftSpec):
+        super().__init__()
+        self.self_attn = Eagle3Attention(spec)
+        self.mlp = Eagle3MLP(spec)
+        self.hidden_norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+
+    def forward(self, embeds, hidden, cos, sin, start: int):
+        wide = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        hidden = hidden + self.self_attn(wide, cos, sin, start)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Draft(nn.Module):
+    """An EAGLE-3 draft head with the published tensor names. `embed_tokens`: the target's embedding when the
+    checkpoint has none of its own (shared, not copied)."""
+
+    def __init__(self, spec: DraftSpec, embed_tokens: nn.Module | None = None):
+        super().__init__()
+        self.spec = spec
+        self.layer_ids = spec.layer_ids
+        self.fc = nn.Linear(3 * spec.target_hidden_size, spec.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(spec)
+        self.norm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.draft_vocab_size, bias=False)
+        self.shares_embedding = embed_tokens is not None
+        self.embed_tokens = embed_tokens if self.shares_embedding else nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # A draft whose vocabulary is the target's may leave the maps out (SpecForge does): the identity.
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(spec.vocab_size, dtype=torch.bool))
+
+    def rotary(self, positions, start: int):
+        """cos and sin `(1, 1, n, head_dim)` for M-RoPE `positions` `(3, 1, n)` at cache slots from `start`."""
+        spec, n, device = self.spec, positions.shape[-1], positions.device
+        if spec.mrope_rows is None:
+            angle_positions = torch.arange(start, start + n, device=device).view(1, n, 1)
+        else:
+            rows = torch.tensor(spec.mrope_rows, device=device)
+            angle_positions = positions[rows, 0].T  # (n, head_dim / 2): each frequency's own row
+        exponents = torch.arange(0, spec.head_dim, 2, device=device, dtype=torch.float32) / spec.head_dim
+        angles = angle_positions.float() / spec.rope_theta**exponents
+        angles = torch.cat([angles, angles], dim=-1).view(1, 1, n, spec.head_dim)
+        dtype = self.fc.weight.dtype
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @torch.no_grad()
+    def propose(self, start: int, tokens, features, positions, count: int) -> torch.Tensor:
+        """`count` target token ids `(1, count)` proposed as a chain.
+
+        The draft's slots `start`.. get the target's `features` `(1, n, 3 * hidden)` (its layers' outputs at those
+        slots, concatenated) with `tokens` `(1, n)`, the token at each next slot; `positions` `(3, 1, n)` are the
+        slots' M-RoPE positions. What the draft held from `start` on (the previous chain) is replaced."""
+        n = tokens.shape[1]
+        hidden = self.fc(features.to(self.fc.weight.dtype))
+        hidden = self.midlayer(self.embed_tokens(tokens), hidden, *self.rotary(positions, start), start)
+        last, position, proposals = hidden[:, -1:], positions[..., -1:], []
+        for step in range(count):
+            draft_id = self.lm_head(self.norm(last)).argmax(dim=-1)
+            proposals.append(draft_id + self.d2t[draft_id])
+            if step + 1 < count:  # the chain's next slot: its own hidden state and token, one position on
+                position = position + 1
+                slot = start + n + step
+                last = self.midlayer(self.embed_tokens(proposals[-1]), last, *self.rotary(position, slot), slot)
+        return torch.cat(proposals, dim=1)
+
+    def load_checkpoint(self, state: dict) -> None:
+        """Take the checkpoint's tensors (converted to this module's dtype and device); a ValueError names missing,
+        unexpected or misshapen tensors and inconsistent vocabulary maps."""
+        expected = {name: tensor for name, tensor in self.state_dict().items()
+                    if not (self.shares_embedding and name.startswith("embed_tokens."))}
+        maps = {"d2t", "t2d"}
+        optional = maps if self.spec.draft_vocab_size == self.spec.vocab_size and not maps & state.keys() else set()
+        missing = sorted(expected.keys() - state.keys() - optional)
+        unexpected = sorted(state.keys() - expected.keys())
+        misshapen = sorted(f"{name} {tuple(state[name].shape)} (expected {tuple(expected[name].shape)})"
+                           for name in expected.keys() & state.keys() if state[name].shape != expected[name].shape)
+        if missing or unexpected or misshapen:
+            raise ValueError(f"The draft checkpoint's tensors do not match its config: missing {missing}, unexpected "
+                             f"{unexpected}, misshapen {misshapen}.")
+        if "d2t" in state:
+            targets = state["d2t"].long() + torch.arange(self.spec.draft_vocab_size)
+            t2d = state["t2d"].bool()
+            if targets.min() < 0 or targets.max() >= self.spec.vocab_size or not bool(t2d[targets].all()) or int(
+                    t2d.sum()) != self.spec.draft_vocab_size:
+                raise ValueError("The draft's d2t and t2d do not describe the same draft vocabulary within the target's.")
+        with torch.no_grad():
+            for name, tensor in expected.items():
+                if name in state:
+                    tensor.copy_(state[name])
+
+
+def load_draft(path_or_repo_id, target, **hub_kwargs) -> Eagle3Draft:
+    """The EAGLE-3 draft in folder or Hub repo `path_or_repo_id` (`config.json` and `model.safetensors`, fetched with
+    transformers' hub utilities and `hub_kwargs`), checked against `target` (a Qwen3-VL model) and built on its device
+    in its dtype. Raises a ValueError naming what differs before anything is built."""
+    with open(cached_file(path_or_repo_id, "config.json", **hub_kwargs), encoding="utf-8") as file:
+        config = json.load(file)
+    spec = DraftSpec.from_config(config, target.config)
+    state = load_state_dict(cached_file(path_or_repo_id, "model.safetensors", **hub_kwargs))
+    shared = None
+    if "embed_tokens.weight" not in state:  # trained frozen from the target's; vLLM shares the target's then
+        shared = target.get_input_embeddings()
+        if shared.weight.shape[1] != spec.hidden_size:
+            raise ValueError(f"The draft has no embed_tokens of its own and its hidden size {spec.hidden_size} is not "
+                             f"the target's embedding width {shared.weight.shape[1]}.")
+    with torch.device(target.device):
+        draft = Eagle3Draft(spec, shared).to(target.dtype)
+    draft.load_checkpoint(state)
+    return draft.eval()
+
+
+@torch.no_grad()
+def speculative_greedy(model, draft, input_ids, max_new_tokens: int, num_draft_tokens: int = 4, eos_token_id=None,
+                       **model_inputs):
+    """Greedy generation of one unpadded prompt with `draft` proposing `num_draft_tokens` tokens as a chain and the
+    target checking them all in one forward: the longest prefix it agrees with is kept, plus its own next token, and
+    its cache drops the rest. Plain torch on transformers' `DynamicCache`: the reference the in-graph loop must equal.
+
+    `draft`: what `load_draft` returns, or anything with its `layer_ids` and `propose`. `model_inputs`: the
+    processor's other outputs (pixels, grids, ...). Returns the sequences `(1, prompt + new)` and stats:
+    `accepted` (proposals kept per verify step), `rounds` and `mean_accepted_length` (tokens per verify step)."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"Speculative decoding takes one prompt; got a batch of {input_ids.shape[0]}.")
+    attention_mask = model_inputs.pop("attention_mask", None)
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("Speculative decoding takes an unpadded prompt; the attention mask has zeros.")
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    prompt_len, k = input_ids.shape[1], num_draft_tokens
+    # M-RoPE positions of every slot the loop can write: the prompt's as generate computes them, then one apart.
+    inputs = dict(model_inputs)
+    position_ids = generate_position_ids(model, input_ids, inputs)
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
+    positions = prompt_positions(model, input_ids, inputs)
+    steps = torch.arange(1, max_new_tokens + k + 1, device=positions.device)
+    positions = torch.cat([positions, positions[:, :, -1:] + steps], dim=2)
+    layers = model.model.language_model.layers
+    cache = DynamicCache()
+
+    def target(tokens, start, **media):
+        """The target's greedy tokens after each of `tokens` (written to the cache from slot `start`) and the
+        outputs of the draft's layers there, concatenated."""
+        recorded = {}
+        hooks = [layers[index].register_forward_hook(
+            lambda module, args, output, index=index: recorded.__setitem__(
+                index, output[0] if isinstance(output, tuple) else output))
+            for index in set(draft.layer_ids)]
+        n = tokens.shape[1]
+        slots = torch.arange(start, start + n, device=positions.device).view(1, 1, n)
+        try:
+            out = model(input_ids=tokens, position_ids=torch.cat([slots, positions[:, :, start:start + n]]),
+                        use_cache=True, **{CACHE_KWARG: cache}, **media)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return out.logits[0].argmax(dim=-1), torch.cat([recorded[index] for index in draft.layer_ids], dim=-1)
+
+    predicted, features = target(input_ids, 0, **model_inputs)
+    new, accepted_counts = [int(predicted[-1])], []
+    start, tokens = 0, torch.cat([input_ids[0, 1:], predicted[-1:]])
+    while new[-1] not in eos and len(new) < max_new_tokens:
+        filled = prompt_len + len(new) - 1  # slots the target's cache holds: all but the newest token
+        proposals = draft.propose(start, tokens[None], features, positions[:, :, start:filled], k)[0]
+        predicted, features = target(torch.cat([tokens[-1:], proposals])[None], filled)
+        accepted = int((proposals == predicted[:k]).long().cumprod(dim=0).sum())
+        accepted_counts.append(accepted)
+        if accepted < k:
+            cache.crop(accepted - k)
+        start, tokens, features = filled, torch.cat([proposals[:accepted], predicted[accepted:accepted + 1]]), \
+            features[:, :accepted + 1]
+        for token in tokens.tolist():
+            new.append(token)
+            if token in eos or len(new) == max_new_tokens:
+                break
+    rounds = len(accepted_counts)
+    stats = {"accepted": accepted_counts, "rounds": rounds,
+             "mean_accepted_length": (sum(accepted_counts) + rounds) / rounds if rounds else None}
+    return torch.cat([input_ids, torch.tensor([new], device=input_ids.device)], dim=1), stats
