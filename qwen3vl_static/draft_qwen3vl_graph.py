@@ -276,8 +276,8 @@ class Eagle3Draft(nn.Module):
         if "d2t" in state:
             targets = state["d2t"].long() + torch.arange(self.spec.draft_vocab_size)
             t2d = state["t2d"].bool()
-            if targets.min() < 0 or targets.max() >= self.spec.vocab_size or not bool(t2d[targets].all()) or int(
-                    t2d.sum()) != self.spec.draft_vocab_size:
+            inside = bool(((targets >= 0) & (targets < self.spec.vocab_size)).all())
+            if not inside or not bool(t2d[targets].all()) or int(t2d.sum()) != self.spec.draft_vocab_size:
                 raise ValueError("The draft's d2t and t2d do not describe the same draft vocabulary within the target's.")
         with torch.no_grad():
             for name, tensor in expected.items():
@@ -288,7 +288,7 @@ class Eagle3Draft(nn.Module):
 def load_draft(path_or_repo_id, target, **hub_kwargs) -> Eagle3Draft:
     """The EAGLE-3 draft in folder or Hub repo `path_or_repo_id` (`config.json` and `model.safetensors`, fetched with
     transformers' hub utilities and `hub_kwargs`), checked against `target` (a Qwen3-VL model) and built on its device
-    in its dtype. Raises a ValueError naming what differs before anything is built."""
+    in its dtype. A ValueError names what differs."""
     with open(cached_file(path_or_repo_id, "config.json", **hub_kwargs), encoding="utf-8") as file:
         config = json.load(file)
     spec = DraftSpec.from_config(config, target.config)

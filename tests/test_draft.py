@@ -161,6 +161,12 @@ def _reshaped_head():
     return tensors
 
 
+def _maps_disagree():
+    tensors = tiny_draft_tensors()
+    tensors["t2d"] = tensors["t2d"].roll(1)
+    return tensors
+
+
 @pytest.mark.parametrize("config, tensors, message", [
     ({"architectures": ["LlamaForCausalLM"]}, None, r"names architectures \['LlamaForCausalLM'\]"),
     ({"target_model_type": "qwen2_5_vl"}, None, "target_model_type is 'qwen2_5_vl'"),
@@ -172,8 +178,9 @@ def _reshaped_head():
     ({}, _without("fc.weight"), r"missing \['fc.weight'\]"),
     ({}, _without("t2d"), r"missing \['t2d'\]"),
     ({}, _reshaped_head(), r"lm_head.weight \(99, 64\) \(expected \(100, 64\)\)"),
+    ({}, _maps_disagree(), "d2t and t2d do not describe the same draft vocabulary"),
 ], ids=["architecture", "target-type", "hidden", "vocabulary", "layers", "layer-ids", "rope", "missing", "maps",
-        "shape"])
+        "shape", "maps-disagree"])
 def test_load_draft_refuses_what_does_not_fit(pair, draft_dir, tmp_path, config, tensors, message):
     ours, _ = pair
     before = ours.load_draft(draft_dir)
