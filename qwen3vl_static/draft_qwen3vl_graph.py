@@ -294,7 +294,7 @@ def load_draft(path_or_repo_id, target, **hub_kwargs) -> Eagle3Draft:
     spec = DraftSpec.from_config(config, target.config)
     state = load_state_dict(cached_file(path_or_repo_id, "model.safetensors", **hub_kwargs))
     shared = None
-    if "embed_tokens.weight" not in state:  # trained frozen from the target's; vLLM shares the target's then
+    if "embed_tokens.weight" not in state:  # AngelSlim saves without it; its inference and vLLM use the target's
         shared = target.get_input_embeddings()
         if shared.weight.shape[1] != spec.hidden_size:
             raise ValueError(f"The draft has no embed_tokens of its own and its hidden size {spec.hidden_size} is not "
