@@ -121,8 +121,14 @@ def draft_dir(tmp_path_factory):
     return save_draft(tmp_path_factory.mktemp("drafts") / "random")
 
 
-def test_load_draft_reads_the_published_format(pair, draft_dir, tmp_path):
-    ours, _ = pair
+@pytest.fixture(scope="module")
+def shared_draft_dir(tmp_path_factory):
+    """Without embed_tokens, as AngelSlim saves its drafts."""
+    return save_draft(tmp_path_factory.mktemp("drafts") / "shared", tensors=tiny_draft_tensors(embed=False))
+
+
+def test_load_draft_reads_the_published_format(pair, draft_dir):
+    ours, stock = pair
     draft = ours.load_draft(draft_dir)
     assert ours._draft is draft and draft.layer_ids == (0, 1, 2)
     saved = tiny_draft_tensors()
@@ -131,10 +137,13 @@ def test_load_draft_reads_the_published_format(pair, draft_dir, tmp_path):
     for name, tensor in saved.items():  # on the target's device, in its dtype (float32 here)
         assert own[name].dtype == (tensor.dtype if name in ("d2t", "t2d") else torch.float32)
         assert torch.equal(own[name], tensor.to(own[name].dtype)), name
-    assert not any(name.startswith(("draft", "_draft")) for name in ours.state_dict())  # the stock layout
-    # Without embed_tokens of its own, the draft embeds with the target's (shared, not copied).
-    shared = ours.load_draft(save_draft(tmp_path / "shared", tensors=tiny_draft_tensors(embed=False)))
-    assert shared.embed_tokens is ours.get_input_embeddings()
+    assert ours.state_dict().keys() == stock.state_dict().keys()  # not in the module tree: the stock layout
+
+
+def test_load_draft_shares_the_targets_embedding_when_it_has_none(pair, shared_draft_dir):
+    ours, _ = pair
+    draft = ours.load_draft(shared_draft_dir)
+    assert draft.embed_tokens is ours.get_input_embeddings()  # shared, not copied
 
 
 def test_load_draft_by_hub_repo_id(pair, draft_dir, tmp_path):
@@ -218,7 +227,7 @@ def test_draft_cache_extends_and_replaces_its_chain(pair, draft_dir):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_speculative_greedy_equals_stock_generate(pair, draft_dir, prompt):
+def test_speculative_greedy_equals_stock_generate(pair, shared_draft_dir, prompt):
     """Token for token stock greedy output, with a random draft of the published format (few proposals kept), a
     draft always right (every proposal kept: K + 1 tokens per verify step) and one wrong at its second proposal
     (exactly one kept per step): what the draft proposes changes only how many tokens each step keeps."""
@@ -226,7 +235,7 @@ def test_speculative_greedy_equals_stock_generate(pair, draft_dir, prompt):
     conversations, media = PROMPTS[prompt]
     inputs = tiny_inputs(conversations, **media)
     k, new = 3, 17  # 16 tokens after the prefill's: whole verify steps of 4 and of 2
-    ours.load_draft(draft_dir)
+    ours.load_draft(shared_draft_dir)
     sequences, stats = ours._speculative_greedy(max_new_tokens=new, num_draft_tokens=k, **inputs)
     assert sequences.tolist() == stock.generate(**inputs, do_sample=False, max_new_tokens=new).tolist()
     assert stats["rounds"] == len(stats["accepted"]) and all(0 <= kept <= k for kept in stats["accepted"])
