@@ -102,8 +102,6 @@ class DraftSpec:
                           or default_layer_ids(text.num_hidden_layers))
         if len(layer_ids) != 3 or not all(0 <= index < text.num_hidden_layers for index in layer_ids):
             refuse(f"it reads the hidden states of layers {list(layer_ids)}: three of 0..{text.num_hidden_layers - 1}")
-        if config.get("norm_before_residual"):
-            refuse("norm_before_residual is set; this format keeps the residual before the hidden norm")
         if config.get("hidden_act", "silu") not in ACT2FN:
             refuse(f"its hidden_act {config['hidden_act']!r} is unknown to transformers")
         heads = config["num_attention_heads"]
@@ -120,7 +118,8 @@ class DraftSpec:
             if rope.get("mrope_interleaved"):  # Qwen3-VL: H and W take every third frequency, from 1 and 2
                 rows = [0] * (head_dim // 2)
                 for row in (1, 2):
-                    rows[row:3 * section[row]:3] = [row] * len(range(row, 3 * section[row], 3))
+                    for frequency in range(row, 3 * section[row], 3):
+                        rows[frequency] = row
             else:  # Qwen2-VL: consecutive sections
                 rows = [row for row, size in enumerate(section) for _ in range(size)]
         return cls(
@@ -278,7 +277,7 @@ class Eagle3Draft(nn.Module):
             t2d = state["t2d"].bool()
             inside = bool(((targets >= 0) & (targets < self.spec.vocab_size)).all())
             if not inside or not bool(t2d[targets].all()) or int(t2d.sum()) != self.spec.draft_vocab_size:
-                raise ValueError("The draft's d2t and t2d do not describe the same draft vocabulary within the target's.")
+                raise ValueError("The draft's d2t and t2d do not describe one draft vocabulary within the target's.")
         with torch.no_grad():
             for name, tensor in expected.items():
                 if name in state:

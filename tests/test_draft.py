@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
 from conftest import chat, image, new_pair
-from qwen3vl_static.draft_qwen3vl_graph import DraftSpec, speculative_greedy
+from qwen3vl_static.draft_qwen3vl_graph import DraftSpec, Eagle3Draft, speculative_greedy
 from qwen3vl_static.presets import TINY_VOCAB, real_config, tiny_inputs
 
 # AngelSlim's training config of the Qwen3-VL-2B-Instruct draft, as published
@@ -21,7 +21,8 @@ ANGELSLIM_2B = {
     "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
     "intermediate_size": 6144, "max_position_embeddings": 262144, "num_attention_heads": 16, "num_hidden_layers": 1,
     "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"type": "default", "rope_type": "default", "mrope_interleaved": True, "mrope_section": [24, 20, 20]},
+    "rope_scaling": {"type": "default", "rope_type": "default", "mrope_interleaved": True,
+                     "mrope_section": [24, 20, 20]},
     "rope_theta": 5000000, "use_cache": True, "vocab_size": 151936, "tie_word_embeddings": True,
     "transformers_version": "4.57.1", "image_token_id": 151655, "video_token_id": 151656,
     "vision_end_token_id": 151653, "vision_start_token_id": 151652, "draft_vocab_size": 32000, "modal_type": "VLM",
@@ -36,7 +37,8 @@ def tiny_draft_config(**changes):
         **ANGELSLIM_2B, "head_dim": HEAD_DIM, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": TINY_VOCAB,
         "draft_vocab_size": DRAFT_VOCAB, "rope_theta": 10000,
-        "rope_scaling": {"type": "default", "rope_type": "default", "mrope_interleaved": True, "mrope_section": [4, 2, 2]},
+        "rope_scaling": {"type": "default", "rope_type": "default", "mrope_interleaved": True,
+                         "mrope_section": [4, 2, 2]},
         # The tiny target has 3 layers: the default ids (1, L // 2 - 1, L - 4) need 4 or more.
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
     }
@@ -187,7 +189,7 @@ def _maps_disagree():
     ({}, _without("fc.weight"), r"missing \['fc.weight'\]"),
     ({}, _without("t2d"), r"missing \['t2d'\]"),
     ({}, _reshaped_head(), r"lm_head.weight \(99, 64\) \(expected \(100, 64\)\)"),
-    ({}, _maps_disagree(), "d2t and t2d do not describe the same draft vocabulary"),
+    ({}, _maps_disagree(), "d2t and t2d do not describe one draft vocabulary"),
 ], ids=["architecture", "target-type", "hidden", "vocabulary", "layers", "layer-ids", "rope", "missing", "maps",
         "shape", "maps-disagree"])
 def test_load_draft_refuses_what_does_not_fit(pair, draft_dir, tmp_path, config, tensors, message):
@@ -208,6 +210,11 @@ def test_draft_rotary_equals_the_targets_m_rope(pair, draft_dir):
     expected_cos, expected_sin = Qwen3VLTextRotaryEmbedding(ours.config.text_config)(torch.zeros(1), positions)
     torch.testing.assert_close(cos[0, 0], expected_cos[0])
     torch.testing.assert_close(sin[0, 0], expected_sin[0])
+    # A draft without M-RoPE turns by cache slot, whatever the M-RoPE positions.
+    plain = Eagle3Draft(DraftSpec.from_config(tiny_draft_config(rope_scaling=None), ours.config))
+    slots = torch.arange(5, 12).expand(3, 1, 7)
+    for got, expected in zip(plain.rotary(positions, start=5), draft.rotary(slots, start=0)):
+        torch.testing.assert_close(got, expected)
 
 
 def test_draft_cache_extends_and_replaces_its_chain(pair, draft_dir):
