@@ -85,6 +85,7 @@ def pair():
 PROMPTS = {
     "text": ([[chat("Describe a cat in one line.")]], {}),
     "image": ([[chat("image", "What is in the picture?")]], {"images": [image(64, 96)]}),
+    "video": ([[chat("video", "What happens?")]], {"video_grids": [(2, 4, 6)]}),
 }
 
 
@@ -236,8 +237,8 @@ def test_draft_cache_extends_and_replaces_its_chain(pair, draft_dir):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_speculative_greedy_equals_stock_generate(pair, shared_draft_dir, prompt):
     """Token for token stock greedy output, with a random draft of the published format (few proposals kept), a
-    draft always right (every proposal kept: K + 1 tokens per verify step) and one wrong at its second proposal
-    (exactly one kept per step): what the draft proposes changes only how many tokens each step keeps."""
+    draft always right (every proposal kept: K + 1 tokens per verify step) and ones wrong at their second or first
+    proposal (exactly one or none kept per step): what the draft proposes changes only how many tokens a step keeps."""
     ours, stock = pair
     conversations, media = PROMPTS[prompt]
     inputs = tiny_inputs(conversations, **media)
@@ -250,7 +251,7 @@ def test_speculative_greedy_equals_stock_generate(pair, shared_draft_dir, prompt
     print(f"{prompt}: random draft, mean accepted length {stats['mean_accepted_length']:.2f} at K = {k}")
     # Without EOS every verify step is whole, so the kept counts are exact.
     expected = stock.generate(**inputs, do_sample=False, max_new_tokens=new + k, eos_token_id=None)
-    for miss, kept in ((None, k), (1, 1)):
+    for miss, kept in ((None, k), (1, 1), (0, 0)):
         sequences, stats = speculative_greedy(ours, Oracle(expected, miss), max_new_tokens=new, num_draft_tokens=k,
                                               **inputs)
         assert sequences.tolist() == expected[:, :inputs["input_ids"].shape[1] + new].tolist()
