@@ -28,6 +28,19 @@ ANGELSLIM_2B = {
     "vision_end_token_id": 151653, "vision_start_token_id": 151652, "draft_vocab_size": 32000, "modal_type": "VLM",
 }
 
+# SpecForge's training config of a Qwen3-VL-8B-Instruct draft, as published (sgl-project/SpecForge:
+# configs/qwen3-vl-8b-eagle3.json).
+SPECFORGE_8B = {
+    "architectures": ["LlamaForCausalLMEagle3"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 262144, "model_type": "llama",
+    "target_model_type": "qwen3_vl", "num_attention_heads": 32, "num_hidden_layers": 1, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "pretraining_tp": 1,
+    "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+    "rope_theta": 5000000, "tie_word_embeddings": False, "dtype": "bfloat16", "transformers_version": "4.57.1",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936, "draft_vocab_size": 32000,
+}
+
 # The same format at the tiny target's sizes (presets.tiny_config_dict: hidden 64, head_dim 16, M-RoPE [4, 2, 2]).
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, DRAFT_VOCAB = 64, 4, 2, 16, 96, 100
 
@@ -108,7 +121,7 @@ class Oracle:
         return torch.tensor([proposals])
 
 
-def test_published_2b_config_fits_the_2b_target_only():
+def test_published_configs_fit_their_targets_only():
     spec = DraftSpec.from_config(ANGELSLIM_2B, real_config("2b"))
     assert spec.layer_ids == (1, 13, 24)  # the 2B's 28 layers
     assert (spec.hidden_size, spec.target_hidden_size, spec.draft_vocab_size) == (2048, 2048, 32000)
@@ -117,6 +130,9 @@ def test_published_2b_config_fits_the_2b_target_only():
     assert (rows.count(1), rows.count(2)) == (20, 20)
     with pytest.raises(ValueError, match="reads hidden states 2048 wide"):
         DraftSpec.from_config(ANGELSLIM_2B, real_config("4b"))
+    assert DraftSpec.from_config(SPECFORGE_8B, real_config("8b")).layer_ids == (1, 17, 32)  # the 8B's 36 layers
+    with pytest.raises(ValueError, match="reads hidden states 4096 wide"):
+        DraftSpec.from_config(SPECFORGE_8B, real_config("2b"))
 
 
 @pytest.fixture(scope="module")
