@@ -236,6 +236,19 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
             return speculative_greedy(self, self._draft, input_ids, max_new_tokens, num_draft_tokens,
                                       self.generation_config.eos_token_id, **model_inputs)
 
+    def __deepcopy__(self, memo):
+        """A deep copy, as stock models allow (transformers 4.57 copies a model to find what a quantizer leaves out):
+        the same weights, config and settings, a lock of its own, and no engine (its cache and graphs are built again
+        at its first use; graphs cannot be copied)."""
+        memo[id(self._generate_lock)] = threading.RLock()
+        for derived in (self._engine, getattr(self.model.visual, "runner", None)):
+            if derived is not None:
+                memo[id(derived)] = None
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Name every Auto class in `auto_map`, not only the ones the classes were registered for.
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **auto_map()}

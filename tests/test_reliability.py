@@ -1,12 +1,14 @@
 """Common transformers paths beyond the main ones, each equal to stock (CPU, fp32): right padding, inference mode,
-the order of the sampling warpers, the model's effect on torch's global flags."""
+the order of the sampling warpers, the model's effect on torch's global flags, deep copies."""
+
+import copy
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
-from conftest import build, chat, image, right_padded
+from conftest import build, chat, image, new_pair, right_padded
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG, returned_cache
 from qwen3vl_static.loops_qwen3vl_graph import device_plan
@@ -107,3 +109,23 @@ def test_tf32_and_cudnn_benchmark_apply_to_the_models_own_work_only(tiny_pair):
     assert global_flags() == before  # restored after the call
     model.warmup()
     assert global_flags() == before
+
+
+def test_a_deep_copy_generates_as_the_model_and_owns_its_weights():
+    """`copy.deepcopy` works as on stock models, before and after the engine exists: the copy generates stock's
+    tokens, has a lock of its own and builds its own engine; changing its weights leaves the model's alone."""
+    ours, stock = new_pair()
+    inputs = build(MIXED_BATCH)
+    expected = stock.generate(**inputs, **GREEDY)
+    fresh = copy.deepcopy(ours)
+    assert fresh.generate(**inputs, **GREEDY).tolist() == expected.tolist()
+    assert ours._engine is None  # the copy's engine is its own
+    assert ours.generate(**inputs, **GREEDY).tolist() == expected.tolist()
+    copied = copy.deepcopy(ours)  # with the engine built
+    assert copied._engine is None and copied._generate_lock is not ours._generate_lock
+    assert copied.generate(**inputs, **GREEDY).tolist() == expected.tolist()
+    assert copied._engine is not ours._engine
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.zero_()
+    assert ours.generate(**inputs, **GREEDY).tolist() == expected.tolist()
