@@ -26,6 +26,12 @@ MAX_ANSWER = 512
 EQUALITY_REQUESTS = 256
 
 
+def percentile(values: list, fraction: float) -> float:
+    """The value `fraction` of the way up `values`, sorted (the nearest rank at or below it)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
 def answer_lengths(count: int, generator, mean: int = 128, high: int = MAX_ANSWER) -> list:
     """`count` seeded answer lengths: geometric (a new token ends the answer with probability 1 / mean), clipped to
     1..high."""
@@ -49,10 +55,10 @@ def continuous(model, prompts, lengths, max_batch_size=None, **manager_settings)
     failed = [result.error for result in results.values() if result.error]
     assert not failed, f"requests failed: {failed[:3]}"
     assert [len(result.generated_tokens) for result in results.values()] == lengths, "a request generated another length"
-    ttft = sorted(1000 * (result.timestamps[0] - result.created_time) for result in results.values())
+    ttft = [1000 * (result.timestamps[0] - result.created_time) for result in results.values()]
     row = {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds, "requests_per_s": len(results) / seconds,
            "rows": model.config.max_batch_size, "static_cache_len": model.config.static_cache_len,
-           "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+           "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": percentile(ttft, 0.99),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
            **{f"gpu_{key}" if key.endswith("_ms") else key: value for key, value in manager.stats.items()}}
     return row, {i: result.generated_tokens for i, result in results.items()}

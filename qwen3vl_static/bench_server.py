@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .bench_batching import percentile
 from .presets import ASSETS, real_ids_tokenizer
 from .workloads import build_ours, generate_exactly_as_asked
 
@@ -188,11 +189,6 @@ async def closed_loop(base: str, bodies: list, concurrency: int, headers: dict |
         return answers, time.perf_counter() - began
 
 
-def percentile(values: list, fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def summarize(answers: list, seconds: float, new_tokens: int = NEW_TOKENS) -> dict:
     ttft = [1000 * (answer["arrivals"][0] - answer["sent"]) for answer in answers]
     itl = [1000 * (after - before) for answer in answers for before, after in zip(answer["arrivals"], answer["arrivals"][1:])]
@@ -230,9 +226,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def reference_answers(model_name: str, urls: list, indices: list) -> list:
+def reference_answers(model_name: str, urls: list, indices: list) -> tuple:
     """`generate`'s answers (new token ids) to the chat bodies of `indices`, in this process (the server's weights and
-    processor)."""
+    processor), and that processor."""
     from .media import MediaLimits, fetch_image
 
     device = torch.device("cuda")
@@ -313,7 +309,7 @@ def server_rows(args) -> dict:
             f"concurrency_{levels[0]}_answers_equal_generate": f"{agreeing.count(NEW_TOKENS)}/{len(agreeing)}",
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG data URL",
-            "image_processor": type(bench_processor(args.model).image_processor).__name__,
+            "image_processor": type(processor.image_processor).__name__,
             "question_tokens": QUESTION_TOKENS,
             "new_tokens": NEW_TOKENS}
 

@@ -28,6 +28,8 @@ def positive_int(text: str) -> int:
 
 TINY_MAX_NEW_TOKENS = 32  # the `tiny` checkpoint's generation config
 DEVICE_HELP = "torch device to run on (default: cuda when there is one, else cpu)"
+SLOTS_HELP = ("requests decoded at once: the static cache's rows (max_batch_size; default: as many as fit in the GPU's "
+              "memory, the config's on the CPU)")
 
 
 def main(argv=None) -> int:
@@ -102,8 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the checkpoint's generation config, else as many as the request's cache row holds)")
     runner.add_argument("--greedy", action="store_true", help="greedy decoding (default: the checkpoint's "
                         "generation config, which samples for Qwen's checkpoints)")
-    runner.add_argument("--slots", type=positive_int, help="requests decoded at once: the static cache's rows "
-                        "(max_batch_size; default: as many as fit in the GPU's memory, the config's on the CPU)")
+    runner.add_argument("--slots", type=positive_int, help=SLOTS_HELP)
     runner.add_argument("--cache-len", type=positive_int, help="cache slots per request (static_cache_len)")
     runner.add_argument("--device", help=DEVICE_HELP)
     runner.set_defaults(check=_check_run, run=_run)
@@ -122,8 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", help="the model name requests give (default: MODEL as written)")
     server.add_argument("--api-key", default=os.environ.get("QWEN3VL_STATIC_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $QWEN3VL_STATIC_API_KEY, else none)")
-    server.add_argument("--slots", type=positive_int, help="requests decoded at once: the static cache's rows "
-                        "(max_batch_size; default: as many as fit in the GPU's memory, the config's on the CPU)")
+    server.add_argument("--slots", type=positive_int, help=SLOTS_HELP)
     server.add_argument("--cache-len", type=positive_int,
                         help="cache slots per request, prompt and answer (static_cache_len)")
     server.add_argument("--max-waiting", type=positive_int, default=256,
