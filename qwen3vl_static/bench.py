@@ -316,6 +316,10 @@ def run(args) -> dict:
              "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]), "model": args.model}
     if args.batching_only:
         return {**about, "batching": batching(args, settings, torch.Generator().manual_seed(0))}
+    if args.speculative:
+        from .bench_speculative import speculative_rows
+
+        return {**about, "speculative": speculative_rows(args)}
     if args.server:
         from .bench_server import server_rows  # needs the serve extra
 
@@ -415,9 +419,20 @@ def report(summary, out_dir: Path) -> Path:
         for key, value in server.items():
             if "_generate" in key:
                 print(f"{key}: {value}")
+    if "speculative" in summary:
+        speculative = summary["speculative"]
+        print(f"speculative decoding, batch 1 (plain loop: {speculative['plain_ms_per_token']['median']:.3f} ms/token; "
+              f"projected rows: the measured cycle time / acceptance length):")
+        print_table([{**row, **{f"{name}_median": row[name]["median"] for name in
+                                ("verify_ms", "draft_ms", "cycle_ms", "always_accepted_ms_per_token")},
+                      "projected_at_2.5": row["projected_ms_per_token"].get("2.5")} for row in speculative["rows"]],
+                    ["num_draft_tokens", "verify_ms_median", "draft_ms_median", "cycle_ms_median", "cycle_ms_end_to_end",
+                     "always_accepted_ms_per_token_median", "projected_at_2.5", "graph_equals_eager",
+                     "random_draft_tokens_equal_plain_before_first_difference"])
     out_dir.mkdir(parents=True, exist_ok=True)
     name = summary["device"].replace(" ", "-").lower() + ("" if summary["model"] == "2b" else f"-{summary['model']}")
-    name += "" if "results" in summary else "-server" if "server" in summary else "-batching"
+    name += ("" if "results" in summary else "-server" if "server" in summary
+             else "-speculative" if "speculative" in summary else "-batching")
     path = out_dir / f"{name}-{summary['date'].replace('-', '')}.json"
     path.write_text(json.dumps(summary, indent=2))
     plot(summary, path.with_suffix(".png"))
@@ -466,7 +481,9 @@ def plot(summary, path) -> None:
     decode = [r for r in summary.get("results", []) if "decode_ms_per_step" in r]
     batching = [row for row in summary.get("batching", []) if "useful_tokens_per_s" in row]
     server = summary.get("server", {}).get("rows", [])
-    panels = [kind for kind, rows in (("decode", decode), ("batching", batching), ("server", server)) if rows]
+    speculative = summary.get("speculative", {}).get("rows", [])
+    panels = [kind for kind, rows in (("decode", decode), ("batching", batching), ("server", server),
+                                      ("speculative", speculative)) if rows]
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
@@ -496,4 +513,17 @@ def plot(summary, path) -> None:
             latency.plot(levels, [row[key] for row in rows], style, marker=".", color="C1", label=key)
         latency.set(ylabel="inter-token latency, ms", yscale="log")
         latency.legend(loc="upper left")
+    if speculative:
+        ax, plain = axes["speculative"], summary["speculative"]["plain_ms_per_token"]["median"]
+        ks = [row["num_draft_tokens"] for row in speculative]
+        ax.axhline(plain, color="gray", linestyle="--", label="plain loop (measured)")
+        ax.plot(ks, [row["always_accepted_ms_per_token"]["median"] for row in speculative], marker="o",
+                label="every proposal kept (measured)")
+        for acceptance, style in (("1.5", ":"), ("2.5", "-."), ("3.5", "--")):
+            points = [(row["num_draft_tokens"], row["projected_ms_per_token"][acceptance]) for row in speculative
+                      if acceptance in row["projected_ms_per_token"]]
+            ax.plot(*zip(*points), style, marker=".", label=f"{acceptance} tokens a cycle (projected)")
+        ax.set(xlabel="draft tokens a cycle (K)", ylabel="ms per generated token, batch 1", xticks=ks,
+               title=f"{title}: speculative decoding")
+        ax.legend(fontsize=8)
     fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the --server concurrencies (default: 1 16 64 256)")
     bench.add_argument("--server-profile", action="store_true",
                        help="sample the --server server's threads' stacks (server-profile-*.json beside the results)")
+    bench.add_argument("--speculative", action="store_true",
+                       help="only speculative decoding's parts (a random EAGLE-3 draft of the published format) beside "
+                            "the plain decode step, at K = 1..7 draft tokens")
     bench.add_argument("--out", type=Path, default=Path("bench/results"),
                        help="folder for the JSON (and PNG) results (default: bench/results)")
     bench.set_defaults(run=_bench)

@@ -40,7 +40,9 @@ MODES = ("logits", "greedy", "sample", "sample_top_k", "sample_seeded", "sample_
 
 class DecodeRunner(GraphRunner):
     def __init__(self, text, cache, ops, rotary_components, batch_buckets, cache_buckets, steps_per_sync: int, capturer,
-                 use_graphs: bool):
+                 use_graphs: bool, rows: int | None = None):
+        """`rows`: the rows of the step's buffers (default: the cache's; the speculative loop's verify step has one
+        per position it checks, all on one cache row)."""
         device = cache.full_keys[0].device
         super().__init__(capturer, use_graphs, can_use_graphs=device.type == "cuda")
         self.text = text  # TextWeights
@@ -49,7 +51,7 @@ class DecodeRunner(GraphRunner):
         self.rotary_components = rotary_components  # `ops.rotary_components` of the text rotary embedding
         self.batch_buckets = batch_buckets
         self.cache_buckets = cache_buckets
-        rows, slots = cache.rows, cache.capacity
+        rows, slots = rows or cache.rows, cache.capacity
         vocab = text.lm_head.shape[0]
 
         def zeros(*shape, dtype=torch.long):
@@ -243,9 +245,9 @@ class DecodeRunner(GraphRunner):
         return self.ops.sample(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], candidates(mode),
                                self.min_p[rows], noise)
 
-    def forward(self, rows: int, kv_len: int) -> torch.Tensor:
+    def forward(self, rows: int, kv_len: int, record=()) -> torch.Tensor:
         """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row. (The step's end
-        advances the rows' lengths and positions: `step`.)"""
+        advances the rows' lengths and positions: `step`.) `record`: layer outputs to keep (`decoder_layers`)."""
         ops, text = self.ops, self.text
         positions, cache_lens = self.positions[:, :rows], self.cache_lens[:rows]
         hidden, x = ops.embed_rms_norm(self.input_ids[:rows, 0], text.embed, *text.first_norm)
@@ -256,7 +258,8 @@ class DecodeRunner(GraphRunner):
             return ops.decode_attention(x, layer.qkv, layer.heads, layer.qk_norms, rotary, keys, values, cache_lens,
                                         context, kv_len, layer.scaling)
 
-        x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend)
+        x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend,
+                           record=record)
         return ops.linear(x, text.lm_head)
 
     # -- CUDA graphs ---------------------------------------------------------------------------------------

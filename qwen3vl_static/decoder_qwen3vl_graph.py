@@ -124,16 +124,20 @@ class TextWeights:
                 parameter.data = view
 
 
-def decoder_layers(ops, layers, keys, values, hidden, x, attend, deepstack=()) -> torch.Tensor:
+def decoder_layers(ops, layers, keys, values, hidden, x, attend, deepstack=(), record=()) -> torch.Tensor:
     """The decoder layers over the residual stream `hidden` `(tokens, hidden)`, whose first RMSNorm is `x`; returns the
     final norm of the result. `attend(layer, keys, values, x)` is a layer's attention `(tokens, Hq * D)` (it writes the
     tokens' K/V into the layer's cache `keys` / `values`); `deepstack[i]` `(tokens, hidden)` joins the residual stream
-    after layer i's MLP."""
+    after layer i's MLP. `record`: (layer index, buffer) pairs; each buffer gets that layer's output (what a forward
+    hook on the stock layer sees: before DeepStack's addition), as an EAGLE-3 draft reads it."""
     for index, (layer, layer_keys, layer_values) in enumerate(zip(layers, keys, values)):
         out = attend(layer, layer_keys, layer_values, x)
         hidden, x = ops.linear_add_rms_norm(out, *layer.o_proj, hidden, *layer.post_norm)
         hidden, x = ops.linear_add_rms_norm(ops.linear_swiglu(x, layer.gate_up), *layer.down_proj, hidden,
                                             *layer.next_norm)
+        for recorded, buffer in record:
+            if recorded == index:
+                buffer.copy_(hidden)
         if index < len(deepstack):
             hidden = hidden + deepstack[index]
             x = ops.rms_norm(hidden, *layer.next_norm)

@@ -141,7 +141,8 @@ def _rotated(x, cos, sin):
 
 
 class Eagle3Attention(nn.Module):
-    """Causal attention over the draft's own K/V, from the 2 * hidden wide input; keeps the K/V it wrote."""
+    """Causal attention over the draft's own K/V (a static cache of `reserve`d slots), from the 2 * hidden wide
+    input."""
 
     def __init__(self, spec: DraftSpec):
         super().__init__()
@@ -151,29 +152,35 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(wide, spec.num_kv_heads * spec.head_dim, bias=bias)
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=bias)
         self.spec = spec
-        self.keys = self.values = None
+        self.keys = self.values = None  # (KV heads, slots, head_dim)
 
-    def forward(self, x, cos, sin, start: int):
-        """`x` (1, n, 2 * hidden) at cache slots `start`..`start + n - 1`; what the cache held from `start` on is
-        replaced."""
-        spec, n = self.spec, x.shape[1]
+    def reserve(self, slots: int) -> None:
+        """A cache of at least `slots` slots, keeping what it holds."""
+        if self.keys is None or self.keys.shape[1] < slots:
+            weight = self.k_proj.weight
+            grown = [torch.zeros(self.spec.num_kv_heads, slots, self.spec.head_dim, dtype=weight.dtype,
+                                 device=weight.device) for _ in range(2)]
+            if self.keys is not None:
+                for new, old in zip(grown, (self.keys, self.values)):
+                    new[:, : old.shape[1]] = old
+            self.keys, self.values = grown
+
+    def forward(self, x, cos, sin, slots, kv_len: int, linear):
+        """`x` `(n, 2 * hidden)` written at cache slots `slots` `(n,)` (a tensor: the loop in the graphs computes them
+        on the device); each attends to the slots up to its own among the first `kv_len`."""
+        spec, n = self.spec, x.shape[0]
 
         def heads(projection, count):
-            return projection(x).view(1, n, count, spec.head_dim).transpose(1, 2)
+            return linear(x, projection.weight, projection.bias).view(n, count, spec.head_dim).transpose(0, 1)
 
         q = _rotated(heads(self.q_proj, spec.num_heads), cos, sin)
-        k = _rotated(heads(self.k_proj, spec.num_kv_heads), cos, sin)
-        v = heads(self.v_proj, spec.num_kv_heads)
-        if start:
-            k, v = torch.cat([self.keys[:, :, :start], k], dim=2), torch.cat([self.values[:, :, :start], v], dim=2)
-        self.keys, self.values = k, v
+        self.keys.index_copy_(1, slots, _rotated(heads(self.k_proj, spec.num_kv_heads), cos, sin))
+        self.values.index_copy_(1, slots, heads(self.v_proj, spec.num_kv_heads))
+        mask = torch.arange(kv_len, device=x.device)[None, :] <= slots[:, None]
         group = spec.num_heads // spec.num_kv_heads
-        slots = torch.arange(start + n, device=x.device)
-        mask = slots[None, :] <= slots[start:, None]
-        out = nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+        keys, values = (cache[:, :kv_len].repeat_interleave(group, dim=0) for cache in (self.keys, self.values))
+        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return linear(out.transpose(0, 1).reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class Eagle3MLP(nn.Module):
@@ -184,8 +191,9 @@ class Eagle3MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.act_fn = ACT2FN[spec.hidden_act]
 
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, linear):
+        gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
+        return linear(self.act_fn(gate) * up, self.down_proj.weight)
 
 
 class Eagle3Layer(nn.Module):
@@ -200,15 +208,19 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
 
-    def forward(self, embeds, hidden, cos, sin, start: int):
+    def forward(self, embeds, hidden, cos, sin, slots, kv_len: int, linear):
         wide = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(wide, cos, sin, start)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.self_attn(wide, cos, sin, slots, kv_len, linear)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), linear)
 
 
 class Eagle3Draft(nn.Module):
     """An EAGLE-3 draft head with the published tensor names. `embed_tokens`: the target's embedding when the
-    checkpoint has none of its own (shared, not copied)."""
+    checkpoint has none of its own (shared, not copied).
+
+    Its steps work on one sequence's cache slots given as tensors, with no host read, so the speculative loop runs
+    them inside its CUDA graph: `extend` takes the target's features of new slots, `chain` proposes from the last.
+    `linear` computes every projection (`F.linear`; the loop in the graphs hands it the engine's measured one)."""
 
     def __init__(self, spec: DraftSpec, embed_tokens: nn.Module | None = None):
         super().__init__()
@@ -223,20 +235,52 @@ class Eagle3Draft(nn.Module):
         # A draft whose vocabulary is the target's may leave the maps out (SpecForge does): the identity.
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(spec.vocab_size, dtype=torch.bool))
+        self.linear = nn.functional.linear
 
-    def rotary(self, positions, start: int):
-        """cos and sin `(1, 1, n, head_dim)` for M-RoPE `positions` `(3, 1, n)` at cache slots from `start`."""
+    def rotary(self, positions, slots):
+        """cos and sin `(1, n, head_dim)` for M-RoPE `positions` `(3, 1, n)` at cache slots `slots` `(n,)`."""
         spec, n, device = self.spec, positions.shape[-1], positions.device
         if spec.mrope_rows is None:
-            angle_positions = torch.arange(start, start + n, device=device).view(1, n, 1)
+            angle_positions = slots.view(n, 1)
         else:
             rows = torch.tensor(spec.mrope_rows, device=device)
             angle_positions = positions[rows, 0].T  # (n, head_dim / 2): each frequency's own row
         exponents = torch.arange(0, spec.head_dim, 2, device=device, dtype=torch.float32) / spec.head_dim
         angles = angle_positions.float() / spec.rope_theta**exponents
-        angles = torch.cat([angles, angles], dim=-1).view(1, 1, n, spec.head_dim)
+        angles = torch.cat([angles, angles], dim=-1).view(1, n, spec.head_dim)
         dtype = self.fc.weight.dtype
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def reserve(self, slots: int) -> None:
+        """A K/V cache of at least `slots` slots."""
+        self.midlayer.self_attn.reserve(slots)
+
+    def layer(self, tokens, hidden, positions, slots, kv_len: int):
+        """The decoder layer at cache slots `slots` `(n,)` of M-RoPE `positions` `(3, 1, n)`: `hidden` `(n, hidden)`
+        with `tokens` `(n,)`, the token at each next slot."""
+        return self.midlayer(self.embed_tokens(tokens), hidden, *self.rotary(positions, slots), slots, kv_len,
+                             self.linear)
+
+    def extend(self, tokens, features, positions, slots, kv_len: int):
+        """The layer over the target's `features` `(n, 3 * target hidden)` (its layers' outputs at `slots`,
+        concatenated): the hidden states `(n, hidden)` to propose from."""
+        return self.layer(tokens, self.linear(features.to(self.fc.weight.dtype), self.fc.weight), positions, slots,
+                          kv_len)
+
+    def next_token(self, hidden):
+        """The target ids `(n,)` the draft's head picks after `hidden` `(n, hidden)`."""
+        draft_id = self.linear(self.norm(hidden), self.lm_head.weight).argmax(dim=-1)
+        return draft_id + self.d2t[draft_id]
+
+    def chain(self, hidden, position, slot, kv_len: int, count: int):
+        """`count` target ids `(count,)` proposed one after another from `hidden` `(1, hidden)`; the chain's own slots
+        are `slot` `(1,)` on (M-RoPE `position` `(3, 1, 1)` on), each attending to the first `kv_len`."""
+        proposals = []
+        for step in range(count):
+            proposals.append(self.next_token(hidden))
+            if step + 1 < count:
+                hidden = self.layer(proposals[-1], hidden, position + step, slot + step, kv_len)
+        return torch.cat(proposals)
 
     @torch.no_grad()
     def propose(self, start: int, tokens, features, positions, count: int) -> torch.Tensor:
@@ -246,17 +290,11 @@ class Eagle3Draft(nn.Module):
         slots, concatenated) with `tokens` `(1, n)`, the token at each next slot; `positions` `(3, 1, n)` are the
         slots' M-RoPE positions. What the draft held from `start` on (the previous chain) is replaced."""
         n = tokens.shape[1]
-        hidden = self.fc(features.to(self.fc.weight.dtype))
-        hidden = self.midlayer(self.embed_tokens(tokens), hidden, *self.rotary(positions, start), start)
-        last, position, proposals = hidden[:, -1:], positions[..., -1:], []
-        for step in range(count):
-            draft_id = self.lm_head(self.norm(last)).argmax(dim=-1)
-            proposals.append(draft_id + self.d2t[draft_id])
-            if step + 1 < count:  # the chain's next slot: its own hidden state and token, one position on
-                position = position + 1
-                slot = start + n + step
-                last = self.midlayer(self.embed_tokens(proposals[-1]), last, *self.rotary(position, slot), slot)
-        return torch.cat(proposals, dim=1)
+        kv_len = start + n + count - 1  # the chain's last slot included
+        self.reserve(kv_len)
+        slots = torch.arange(start, start + n, device=tokens.device)
+        hidden = self.extend(tokens[0], features[0], positions, slots, kv_len)
+        return self.chain(hidden[-1:], positions[..., -1:] + 1, slots[-1:] + 1, kv_len, count)[None]
 
     def load_checkpoint(self, state: dict) -> None:
         """Take the checkpoint's tensors (converted to this module's dtype and device); a ValueError names missing,

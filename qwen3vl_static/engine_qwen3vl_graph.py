@@ -31,6 +31,7 @@ from .decode_qwen3vl_graph import DecodeRunner
 from .decoder_qwen3vl_graph import TextWeights
 from .ops_qwen3vl_graph import make_ops
 from .prefill_qwen3vl_graph import PrefillRunner
+from .speculative_qwen3vl_graph import SpeculativeRunner
 from .tuner_qwen3vl_graph import KernelTuner
 from .vision_qwen3vl_graph import VisionRunner
 
@@ -65,10 +66,20 @@ class GraphEngine:
         self.vision = VisionRunner(visual, vision_ops, config.vision_graph_patches, config.vision_table_cache_size,
                                    self.capturer, graphs, bucketed)
         visual.runner = self.vision  # every caller of the tower gets the runner
+        self.speculative = None  # `use_draft`'s
 
     @property
     def runners(self) -> tuple:
         return self.decode, self.prefill, self.vision
+
+    def use_draft(self, draft, num_draft_tokens: int) -> SpeculativeRunner:
+        """The speculative loop with `draft` proposing `num_draft_tokens` tokens a cycle (built on first use); from
+        then on prefills keep the outputs of the layers the draft reads."""
+        runner = self.speculative
+        if runner is None or runner.draft is not draft or runner.k != num_draft_tokens:
+            self.prefill.record_layers(draft.layer_ids)
+            self.speculative = runner = SpeculativeRunner(self.decode, draft, num_draft_tokens)
+        return runner
 
     def current(self, model) -> bool:
         """Whether the engine still matches the model's weights (device, dtype, the very tensors)."""
@@ -77,8 +88,9 @@ class GraphEngine:
                 and self.vision.current())
 
     def set_graphs(self, enabled: bool) -> None:
-        for runner in self.runners:
-            runner.use_graphs = enabled and runner.can_use_graphs
+        for runner in (*self.runners, self.speculative):
+            if runner is not None:
+                runner.use_graphs = enabled and runner.can_use_graphs
 
     def warmup(self, batch_sizes, cache_lengths, modes, prompt_lengths, image_patches) -> dict:
         """Capture the graphs of these sizes (None: every configured bucket) that are not captured yet; returns the

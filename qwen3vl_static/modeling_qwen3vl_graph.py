@@ -72,6 +72,7 @@ from .ops_step_end_qwen3vl_graph import finish_step  # noqa: F401
 from .prefill_qwen3vl_graph import PrefillRunner  # noqa: F401
 from .runner_qwen3vl_graph import GraphRunner  # noqa: F401
 from .scheduler_qwen3vl_graph import Scheduler  # noqa: F401
+from .speculative_qwen3vl_graph import SpeculativeRunner  # noqa: F401
 from .triton_qwen3vl_graph import launch  # noqa: F401
 from .tuner_qwen3vl_graph import KernelTuner  # noqa: F401
 
@@ -131,6 +132,7 @@ class Qwen3VLGraphModel(Qwen3VLModel):
 class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, GenerationMixin):
     config: Qwen3VLGraphConfig
     _draft = None  # `load_draft`'s EAGLE-3 draft
+    _num_draft_tokens = 4
 
     def __init__(self, config: Qwen3VLGraphConfig):
         config.validate_graph_settings()
@@ -152,6 +154,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         # While continuous batching admits a request: `generate` prefills it into that `Admission`'s free row.
         self._admission = None
         self._prefilled = None  # the call's `PrefilledAhead`, until its loop takes it
+        # The last speculative `generate`: draft tokens a cycle and the tokens each cycle kept.
+        self.speculative_stats = {}
 
     def generate(self, *args, **kwargs):
         with self._generate_lock, self.backend_flags():
@@ -161,6 +165,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
                 # which it checks itself, into its own buffers), then the prompt's prefill after it
                 # (prefill_ahead_qwen3vl_graph.py), while generate prepares its loop (host work, ~3 ms on an H200
                 # host); the loop then takes the results. (Before generate's own steps: 5.2x runs the tower early.)
+                if self._draft is not None:  # before the prefill: it keeps the layer outputs the draft reads
+                    engine.use_draft(self._draft, self._num_draft_tokens)
                 videos = kwargs.get("pixel_values_videos") is not None
                 engine.vision.encode_ahead(kwargs.get("pixel_values"), kwargs.get("image_grid_thw"), videos=videos)
             try:
@@ -216,16 +222,26 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
             for (owner, name), value in saved.items():
                 setattr(owner, name, value)
 
-    def load_draft(self, path_or_repo_id, **hub_kwargs) -> Eagle3Draft:
+    def load_draft(self, path_or_repo_id, num_draft_tokens: int = 4, **hub_kwargs) -> Eagle3Draft:
         """Load an EAGLE-3 draft head for this model from a folder or Hub repo (`config.json` and `model.safetensors`
         as AngelSlim and SpecForge publish them; `hub_kwargs` as for `from_pretrained`: revision, token, cache_dir,
         ...), on the model's device in its dtype. A draft of another architecture or for another target is refused
-        with a ValueError naming what differs, before anything is attached. For now only the reference loop
-        (`_speculative_greedy`) uses it; `generate` does not."""
+        with a ValueError naming what differs, before anything is attached.
+
+        From then on greedy `generate` of one unpadded prompt proposes `num_draft_tokens` tokens a cycle with it and
+        checks them in one target step (speculative decoding: the same tokens, fewer steps); other calls run the
+        plain loop (a one-line notice says why). `use_draft(None)` detaches it."""
+        if not 1 <= num_draft_tokens <= 15:
+            raise ValueError(f"num_draft_tokens must be within 1..15, got {num_draft_tokens}")
         draft = load_draft(path_or_repo_id, self, **hub_kwargs)
+        self.use_draft(draft, num_draft_tokens)
+        return draft
+
+    def use_draft(self, draft, num_draft_tokens: int = 4) -> None:
+        """Propose with `draft` (what `load_draft` returns; None: no speculative decoding)."""
         # Outside the module tree: the model's own checkpoint keeps the stock layout.
         object.__setattr__(self, "_draft", draft)
-        return draft
+        self._num_draft_tokens = num_draft_tokens
 
     def _speculative_greedy(self, input_ids, max_new_tokens: int, num_draft_tokens: int = 4, **model_inputs):
         """Greedy generation of one prompt with the loaded draft (`speculative_greedy`, eager torch): the reference
@@ -499,7 +515,15 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
                             model_kwargs.get("attention_mask"), input_ids.shape[1])
         plan = device_plan(logits_processor, stopping_criteria, generation_config)
         scores = raw_logits = None
-        if plan is None:
+        speculating = self._draft is not None and self._speculation_blocker(plan, input_ids, model_kwargs, start) is None
+        if speculating:
+            runner = engine.speculative
+            sequences, kept = runner.generate(
+                input_ids, logits.argmax(dim=-1), engine.prefill.taps, positions,
+                first_decode_positions(self, model_kwargs, positions, input_ids.shape[1]),
+                plan["max_length"] - input_ids.shape[1], plan["eos_ids"], streamer)
+            self.speculative_stats = {"num_draft_tokens": runner.k, "kept_per_cycle": kept}
+        elif plan is None:
             sequences, scores, raw_logits = host_loop(engine.decode, input_ids, logits, logits_processor,
                                                       stopping_criteria, generation_config, streamer)
         else:
@@ -513,6 +537,25 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
             return generate_output(sequences, tuple(scores) if scores else None,
                                    tuple(raw_logits) if raw_logits else None, cache)
         return sequences
+
+    def _speculation_blocker(self, plan, input_ids, model_kwargs, start: int) -> str | None:
+        """Why this call runs the plain loop although a draft is loaded (said once), or None."""
+        if plan is None or plan["mode"] != "greedy":
+            reason = "sampling or logits processors the device loop does not cover"
+        elif input_ids.shape[0] != 1:
+            reason = f"a batch of {input_ids.shape[0]} prompts"
+        elif start:
+            reason = "a later turn continuing the cache (the draft holds no earlier turn)"
+        elif model_kwargs.get("attention_mask") is not None and not bool(model_kwargs["attention_mask"].all()):
+            reason = "a padded prompt"
+        elif plan["max_length"] + self._num_draft_tokens > self._engine.cache.capacity:
+            reason = (f"no room in the cache for the {self._num_draft_tokens} slots the last cycle checks past "
+                      f"max_length {plan['max_length']} (static_cache_len {self._engine.cache.capacity})")
+        else:
+            return None
+        logger.warning_once(f"{type(self).__name__}: {reason} runs the plain decode loop; speculative decoding covers "
+                            "greedy generation of one unpadded prompt.")
+        return reason
 
     def _prefill_prompt(self, input_ids, model_kwargs, start: int, rows=None, stream=None, padded: bool | None = None,
                         media=None):

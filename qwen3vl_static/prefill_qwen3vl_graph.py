@@ -83,6 +83,22 @@ class PrefillRunner(GraphRunner):
         self.default_rows = torch.arange(cache.rows, device=device)
         self.last = buffer(1)
         self.logits = buffer(cache.rows if self.bucketed else 0, text.lm_head.shape[0], dtype=torch.float32)
+        self.recorded_layers = ()  # layers whose outputs an EAGLE-3 draft reads (`record_layers`)
+        self.taps = None  # their outputs for every prompt token of the last `run`, side by side `(tokens, n * hidden)`
+
+    def record_layers(self, layer_ids) -> None:
+        """From now on every prompt's forward also keeps the outputs of layers `layer_ids` (`taps`). Graphs captured
+        without them are dropped."""
+        layer_ids = tuple(layer_ids)
+        if layer_ids != self.recorded_layers:
+            self.recorded_layers = layer_ids
+            self._taps = self.visual.new_zeros(self.max_tokens, len(layer_ids) * self.visual.shape[1])
+            self.graphs = {}
+
+    def _record(self, taps) -> tuple:
+        """(layer, buffer) pairs writing the recorded layers' outputs side by side into `taps` `(tokens, n * hidden)`."""
+        width = self.visual.shape[1]
+        return tuple((layer, taps[:, i * width:(i + 1) * width]) for i, layer in enumerate(self.recorded_layers))
 
     def run(self, input_ids, attention_mask, positions, modality, visual=None, deepstack=(), padded=True, start: int = 0,
             rows=None):
@@ -110,7 +126,11 @@ class PrefillRunner(GraphRunner):
                 deepstack = [visual] * self.deepstack.shape[0]
             first, last = (torch.full((1,), value, dtype=torch.long, device=input_ids.device)
                            for value in (start, length - 1))
-            return self.forward(input_ids, positions, attendable, modality, visual, deepstack, first, last, rows, masked)
+            taps = self.visual.new_empty(batch * length, len(self.recorded_layers) * self.visual.shape[1])
+            logits = self.forward(input_ids, positions, attendable, modality, visual, deepstack, first, last, rows,
+                                  masked, self._record(taps))
+            self.taps = taps if self.recorded_layers else None
+            return logits
         self.cache_rows[:batch] = rows
         self.cache_rows[batch : key[0]] = self.default_rows[batch : key[0]]  # padding rows: rows the call leaves free
         rows, size, kv_slots = key
@@ -130,6 +150,9 @@ class PrefillRunner(GraphRunner):
         self.start.fill_(start)
         self.last.fill_(length - 1)
         self.execute((*key, masked))
+        # Row-major: the first row's tokens first.
+        self.taps = self._taps[: key[0] * key[1]].view(key[0], key[1], -1)[:batch, :length].flatten(0, 1) \
+            if self.recorded_layers else None
         return self.logits[:batch].clone()
 
     def idle(self) -> None:
@@ -161,6 +184,7 @@ class PrefillRunner(GraphRunner):
             self.input_ids[:tokens].view(rows, size), self.positions[:, :tokens].view(3, rows, size),
             self.attendable[:rows, :kv_slots], self.modality[:tokens].view(rows, size),
             self.visual, self.deepstack, self.start, self.last, self.cache_rows[:rows], masked,
+            self._record(self._taps[:tokens]) if self.recorded_layers else (),
         )
 
     def describe(self, key) -> str:
@@ -169,11 +193,11 @@ class PrefillRunner(GraphRunner):
         return f"prefill ({rows} rows x {size} tokens{after}{', masked' if masked else ''})"
 
     def forward(self, input_ids, positions, attendable, modality, visual, deepstack, start, last, row_ids,
-                masked) -> torch.Tensor:
+                masked, record=()) -> torch.Tensor:
         """The prompt forward on tensors of one fixed shape `(rows, size)`; writes K/V of slots [start, start + size)
         of cache rows `row_ids` `(rows,)` and attends to the slots of `attendable` `(rows, KV slots)`. `masked`: some
         slot is not attendable or the prompt follows cached slots (else causality within the prompt is the whole
-        mask)."""
+        mask). `record`: layer outputs to keep, row-major (`decoder_layers`)."""
         ops, text = self.ops, self.text
         rows, size = input_ids.shape
         kv_slots = attendable.shape[1]
@@ -223,7 +247,8 @@ class PrefillRunner(GraphRunner):
         added = [torch.where(is_visual, features[order], 0).view(tokens, -1) for features in deepstack]
         hidden = hidden.view(tokens, -1)
         x = ops.rms_norm(hidden, *text.first_norm)
-        x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend, added)
+        x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend, added,
+                           record)
         x = x.view(rows, size, -1).index_select(1, last)[:, 0]
         return ops.linear(x, text.lm_head).float()
 

@@ -5,7 +5,11 @@ and stock transformers over one set of tensors, ours with the same weights in Qw
 out as Qwen3VLProcessor lays them out.
 """
 
+import json
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from .compat_qwen3vl_graph import TAKES_MM_TOKEN_TYPE_IDS
@@ -94,3 +98,48 @@ def second_turn(model, image, generator, answer=128, question=30):
         resumed.update(mm_token_type_ids=(ids == model.config.image_token_id).int(), image_grid_thw=image["image_grid_thw"])
     fresh = {**resumed, "pixel_values": image["pixel_values"], "image_grid_thw": image["image_grid_thw"]}
     return first, resumed, fresh
+
+
+def save_random_draft(config, folder, generator, draft_vocab_size=32000, intermediate_size=None):
+    """An EAGLE-3 draft for `config`'s text model in the published format (AngelSlim's Qwen3-VL-2B draft config: one
+    Llama layer of the target's width and heads, interleaved M-RoPE, a draft vocabulary with its d2t / t2d maps, the
+    target's embedding shared), random weights, written to `folder`; returns the folder. Token 0 is in the draft
+    vocabulary, so with the heads' norms at zero both models pick it every time (`always_accepting`)."""
+    text = config.get_text_config(decoder=True)
+    hidden, heads, kv_heads, head_dim = (text.hidden_size, text.num_attention_heads, text.num_key_value_heads,
+                                         text.head_dim)
+    intermediate = intermediate_size or 3 * hidden
+    rope = dict(text.rope_parameters if hasattr(text, "rope_parameters") else text.rope_scaling)
+    draft_config = {
+        "architectures": ["Eagle3LlamaForCausalLM"], "model_type": "llama", "target_model_type": "qwen3_vl",
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
+        "rms_norm_eps": text.rms_norm_eps, "vocab_size": text.vocab_size, "draft_vocab_size": draft_vocab_size,
+        "rope_theta": rope.get("rope_theta", 5000000),
+        "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": rope["mrope_section"]},
+    }
+    shapes = {
+        "fc.weight": (hidden, 3 * hidden),
+        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": (intermediate, hidden),
+        "midlayer.mlp.up_proj.weight": (intermediate, hidden),
+        "midlayer.mlp.down_proj.weight": (hidden, intermediate),
+        "lm_head.weight": (draft_vocab_size, hidden),
+    }
+    tensors = {name: (torch.randn(shape, generator=generator) / shape[1] ** 0.5).bfloat16()
+               for name, shape in shapes.items()}
+    for name in ("midlayer.hidden_norm", "midlayer.input_layernorm", "midlayer.post_attention_layernorm", "norm"):
+        tensors[f"{name}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    used = torch.cat([torch.zeros(1, dtype=torch.long),
+                      1 + torch.randperm(text.vocab_size - 1, generator=generator)[: draft_vocab_size - 1]]).sort().values
+    tensors["d2t"] = used - torch.arange(draft_vocab_size)
+    tensors["t2d"] = torch.zeros(text.vocab_size, dtype=torch.bool)
+    tensors["t2d"][used] = True
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(draft_config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder

@@ -11,7 +11,8 @@ from qwen3vl_static.capture_qwen3vl_graph import GraphCapturer
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG, returned_cache, vision_features
 from qwen3vl_static.ops_qwen3vl_graph import TorchOps, TritonOps
 from qwen3vl_static.presets import tiny_config
-from qwen3vl_static.workloads import build_models, image_prompt, second_turn, text_prompt
+from qwen3vl_static.workloads import build_models, image_prompt, save_random_draft, second_turn, text_prompt
+from test_speculative import ScriptedDraft
 
 pytestmark = pytest.mark.cuda
 
@@ -522,3 +523,31 @@ def test_each_model_measures_its_own_kernel_choices():
     before = other.choices[key]
     measured.choices[key] = len(measured.timings[key]) - 1 - measured.choices[key]
     assert other.choices[key] == before
+
+
+def test_speculative_decoding_graph_equals_eager_and_agrees_with_stock(models, tmp_path):
+    """bf16 on the 2B shapes, a 448x448 image prompt, 4 draft tokens a cycle: with a random draft of the published
+    format (few proposals kept) and with one proposing the plain loop's own tokens (nearly all kept), the cycle graphs
+    give the tokens of the same loop run eagerly, and every token is the stock full-sequence forward's top-1 wherever
+    its margin exceeds twice the log-prob deviation the tests above allow (the verify step's 5-row kernels may break
+    near-ties otherwise than the plain 1-row step)."""
+    ours, stock = models
+    prompt = image_prompt(ours.config, "cuda", torch.Generator().manual_seed(4))
+    plain = generate(ours, prompt, 96)
+    draft = ours.load_draft(save_random_draft(ours.config, tmp_path, torch.Generator().manual_seed(1)))
+    try:
+        for proposer in (draft, ScriptedDraft(plain)):
+            ours.use_draft(proposer, 4)
+            got = generate(ours, prompt, 96)
+            kept = ours.speculative_stats["kept_per_cycle"]
+            assert got.tolist() == generate(ours, prompt, 96, graphs=False).tolist()
+            assert sum(kept) == 95 and all(1 <= count <= 5 for count in kept)
+            sequence = got[:, :-1]
+            top2 = stock_log_probs(stock, prompt, sequence)[0].topk(2, dim=-1)
+            sure = (top2.values[:, 0] - top2.values[:, 1]) > 2 * MAX_LOG_PROB_DELTA
+            generated = got[0, prompt["input_ids"].shape[1]:]
+            assert generated[sure].tolist() == top2.indices[sure, 0].tolist() and int(sure.sum()) > 0
+            print(f"{type(proposer).__name__}: {len(kept)} cycles for 95 tokens, {int(sure.sum())} decisive")
+        assert len(kept) < 95 / 3  # the plain loop's own tokens: most cycles keep all 5
+    finally:
+        ours.use_draft(None)

@@ -1,0 +1,201 @@
+# Copyright 2026 The qwen3vl-static Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Speculative greedy decoding with an EAGLE-3 draft, one captured CUDA graph per cycle.
+
+A cycle, all on the device (no host read inside, so consecutive replays need no host work):
+1. verify: the target's decode step over K + 1 rows that share the request's cache row: the pending token and the
+   draft's K proposals at slots L..L+K (row i attends to the slots up to L + i: the decode attention bounds each row by
+   its own length, and every row's K/V is written before any row attends). It keeps the outputs of the layers the
+   draft reads;
+2. accept: the target's argmax at each position; the proposals it agrees with, as a prefix, are kept, plus its own
+   next token (at most K + 1 tokens), cut at an EOS id or at `max_new_tokens`. Cache lengths move past the kept
+   tokens only; K/V written past them is rewritten by the next cycle before anything reads it;
+3. draft: the draft's layer over the K + 1 verified slots (their features, the token at each next slot), then its chain
+   of K proposals from the last kept one.
+The host reads each chunk's kept tokens once (`issue` / `collect`, one chunk queued ahead, as the plain loop does).
+"""
+
+from collections import deque
+
+import torch
+
+from .decode_qwen3vl_graph import DecodeRunner
+from .runner_qwen3vl_graph import GraphRunner, bucket_of
+
+
+class SpeculativeRunner(GraphRunner):
+    def __init__(self, decode: DecodeRunner, draft, num_draft_tokens: int):
+        """`decode`: the engine's decode runner (its weights, cache, ops and buckets); `draft`: an `Eagle3Draft` or
+        anything with its `layer_ids`, `reserve`, `extend` and `chain`."""
+        super().__init__(decode.capturer, decode.use_graphs, decode.can_use_graphs)
+        k = num_draft_tokens
+        cache = decode.cache
+        self.verify = DecodeRunner(decode.text, cache, decode.ops, decode.rotary_components, [k + 1],
+                                   decode.cache_buckets, decode.steps_per_sync, decode.capturer, False, rows=k + 1)
+        self.draft, self.k = draft, k
+        draft.linear = decode.ops.linear  # the engine's measured projections (the CPU's: F.linear)
+        # The chain writes up to K - 1 slots past the verified ones.
+        draft.reserve(cache.capacity + k)
+        device = cache.full_keys[0].device
+        hidden = decode.text.embed.shape[1]
+        self.cycles_per_sync = max(1, decode.steps_per_sync // 2)
+        self.order = torch.arange(k + 1, device=device)
+        self.taps = torch.zeros(k + 1, len(draft.layer_ids) * hidden, dtype=cache.full_keys[0].dtype, device=device)
+        self.record = tuple((layer, self.taps[:, i * hidden:(i + 1) * hidden]) for i, layer in enumerate(draft.layer_ids))
+        self.proposals = torch.zeros(k, dtype=torch.long, device=device)
+        self.prompt_len = torch.zeros((), dtype=torch.long, device=device)
+        self.first_position = torch.zeros(3, 1, dtype=torch.long, device=device)  # M-RoPE position of slot prompt_len
+        self.produced = torch.zeros((), dtype=torch.long, device=device)
+        self.max_new = torch.zeros((), dtype=torch.long, device=device)
+        self.alive = torch.zeros((), dtype=torch.bool, device=device)
+        self.out_tokens = torch.zeros(self.cycles_per_sync, k + 1, dtype=torch.long, device=device)
+        self.out_counts = torch.zeros(self.cycles_per_sync, dtype=torch.long, device=device)
+        self.chunk_cycle = torch.zeros(1, dtype=torch.long, device=device)
+
+    def positions(self, slots):
+        """M-RoPE positions `(3, 1, n)` of generated slots `slots` `(n,)`: one apart from the first."""
+        return (self.first_position + (slots - self.prompt_len)).unsqueeze(1)
+
+    # -- the cycle -----------------------------------------------------------------------------------------
+
+    def step(self, kv_len: int) -> None:
+        predicted, kept, count = self.verify_and_accept(kv_len)
+        start = self.verify.cache_lens[:1]
+        proposals = self.propose(kv_len, predicted, kept, start)
+        # The next cycle's rows: the pending token (the target's own after the kept ones), then the proposals.
+        self.proposals.copy_(proposals)
+        self.verify.input_ids[:1, 0] = predicted.index_select(0, (count - 1).clamp(min=0))
+        self.verify.input_ids[1:, 0] = proposals
+        self.set_slots(start + count)
+
+    def verify_and_accept(self, kv_len: int):
+        """Steps 1 and 2: the target's tokens after each row `(K + 1,)`, the proposals kept (a 0-d tensor) and the
+        tokens the cycle outputs (`(1,)`: the kept ones and the target's next, cut at a stop), recorded."""
+        verify, k = self.verify, self.k
+        predicted = verify.forward(k + 1, kv_len, self.record).argmax(dim=-1)
+        kept = (self.proposals == predicted[:k]).long().cumprod(dim=0).sum()
+        stops = (predicted[:, None] == verify.eos_ids).any(dim=-1) & (self.order <= kept)
+        count = torch.where(stops.any(), stops.long().argmax() + 1, kept + 1)
+        count = (torch.minimum(count, self.max_new - self.produced) * self.alive).view(1)
+        self.out_tokens.index_copy_(0, self.chunk_cycle, predicted[None])
+        self.out_counts.index_copy_(0, self.chunk_cycle, count)
+        self.chunk_cycle += 1
+        self.produced += count[0]
+        self.alive &= ~stops.any() & (self.produced < self.max_new)
+        return predicted, kept, count
+
+    def propose(self, kv_len: int, predicted, kept, start):
+        """Step 3: the draft over the verified slots from `start` `(1,)` (the target's `predicted` tokens are the
+        tokens at their next slots), then its K proposals after the `kept`-th."""
+        k, draft = self.k, self.draft
+        slots = start + self.order
+        hidden = draft.extend(predicted, self.taps, self.positions(slots), slots, kv_len + k)
+        last = kept.view(1)
+        chain_slot = start + last + 1
+        return draft.chain(hidden.index_select(0, last), self.positions(chain_slot), chain_slot, kv_len + k, k)
+
+    def set_slots(self, start) -> None:
+        """The verify rows' slots: start..start + K (`start`: a tensor)."""
+        slots = start + self.order
+        self.verify.cache_lens.copy_(slots)
+        self.verify.positions.copy_(self.positions(slots).transpose(1, 2))
+
+    def state(self) -> tuple:
+        verify = self.verify
+        return (verify.input_ids, verify.cache_lens, verify.positions, self.proposals, self.produced, self.alive,
+                self.chunk_cycle)
+
+    def describe(self, key) -> str:
+        return f"speculative cycle ({self.k} draft tokens, {key[0]} cache slots)"
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    def issue(self, cycles: int, kv_len: int):
+        """Queue `cycles` cycles attending to the first `kv_len` slots and the copy of their kept tokens to the host;
+        returns a handle for `collect`."""
+        self.chunk_cycle.zero_()
+        self.execute((kv_len,), cycles)
+        tokens, counts = self.out_tokens[:cycles], self.out_counts[:cycles]
+        if not tokens.is_cuda:
+            return tokens.clone(), counts.clone(), None
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens, counts)]
+        for target, source in zip(host, (tokens, counts)):
+            target.copy_(source, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return *host, copied
+
+    collect = staticmethod(DecodeRunner.collect)
+
+    @torch.no_grad()
+    def generate(self, input_ids, first_token, prompt_taps, prompt_positions, first_position, max_new_tokens: int,
+                 eos_ids, streamer=None) -> torch.Tensor:
+        """Greedy tokens after the prompt `input_ids` `(1, n)`, whose prefill gave `first_token` `(1,)` and the draft's
+        layers' outputs `prompt_taps` `(n, 3 * hidden)` at its M-RoPE `prompt_positions` `(3, 1, n)`; the first
+        generated token sits at `first_position` `(3, 1, 1)`. Returns the sequence (prompt and new tokens) on the
+        host and the tokens kept per cycle."""
+        verify, k, draft = self.verify, self.k, self.draft
+        prompt_len = input_ids.shape[1]
+        sequence = [*input_ids[0].tolist(), int(first_token)]
+        if streamer is not None:
+            streamer.put(first_token.cpu())
+        eos = set(eos_ids)
+        if sequence[-1] in eos or max_new_tokens <= 1:
+            return torch.tensor([sequence]), []
+        # The draft's cache gets the prompt's slots; its first chain follows.
+        slots = torch.arange(prompt_len, device=input_ids.device)
+        tokens = torch.cat([input_ids[0, 1:], first_token])
+        hidden = draft.extend(tokens, prompt_taps, prompt_positions, slots, prompt_len)
+        proposals = draft.chain(hidden[-1:], first_position, slots[-1:] + 1, prompt_len + k - 1, k)
+        verify.idle()
+        verify.cache_rows.zero_()  # every row reads and writes the request's cache row
+        verify.eos_ids.fill_(-1)
+        verify.eos_ids[: len(eos)] = torch.tensor(sorted(eos), dtype=torch.long)
+        verify.input_ids[:, 0] = torch.cat([first_token, proposals])
+        self.proposals.copy_(proposals)
+        self.prompt_len.fill_(prompt_len)
+        self.first_position.copy_(first_position.view(3, 1))
+        self.set_slots(self.prompt_len)
+        self.produced.fill_(1)
+        self.max_new.fill_(max_new_tokens)
+        self.alive.fill_(True)
+        # Host bookkeeping: a cycle keeps 1 to K + 1 tokens, so queued cycles move the pending token's slot by at most
+        # K + 1 each, never past the last one `max_new_tokens` allows. Chunks are sized for the tokens still to come
+        # at the mean kept so far.
+        last_slot = prompt_len + max_new_tokens - 1
+        chunks, kept = deque(), []
+        while True:
+            generated = len(sequence) - prompt_len
+            queued = sum(cycles for cycles, _ in chunks)
+            while len(chunks) < 2 and generated + queued < max_new_tokens:
+                per_cycle = (generated - 1) / len(kept) if kept else 1.0
+                wanted = -(-(max_new_tokens - generated) // max(per_cycle, 1.0)) - queued
+                if chunks and wanted <= 0:
+                    break
+                cycles = int(min(self.cycles_per_sync, max(1, wanted)))
+                furthest = min(last_slot, len(sequence) - 1 + (queued + cycles) * (k + 1))
+                chunks.append((cycles, self.issue(cycles, bucket_of(verify.cache_buckets, furthest + k + 1))))
+                queued += cycles
+            _, handle = chunks.popleft()
+            rows, counts = self.collect(handle)
+            if not counts.any():  # every cycle finished: the host must have seen its stop
+                raise RuntimeError("The speculative loop's cycles stopped before the host saw EOS or max_new_tokens.")
+            for row, count in zip(rows.tolist(), counts.tolist()):
+                if count:
+                    kept.append(count)
+                    sequence += row[:count]
+                    if streamer is not None:
+                        streamer.put(torch.tensor(row[:count]))
+            if len(sequence) - prompt_len >= max_new_tokens or eos & set(sequence[prompt_len + 1:]):
+                return torch.tensor([sequence]), kept

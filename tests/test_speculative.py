@@ -1,0 +1,126 @@
+"""Speculative greedy decoding inside `generate` (the loop `SpeculativeRunner` captures as one graph per cycle, run
+eagerly here): token for token stock greedy output whatever the draft proposes (CPU, fp32), the reference loop's
+acceptance with a real draft, stops, and the plain loop (with its notice) wherever it does not apply."""
+
+import pytest
+import torch
+
+from conftest import new_pair
+from qwen3vl_static.draft_qwen3vl_graph import speculative_greedy
+from qwen3vl_static.presets import TINY_VOCAB, tiny_inputs
+from test_draft import PROMPTS, save_draft, tiny_draft_tensors
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return new_pair()
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return save_draft(tmp_path_factory.mktemp("drafts") / "shared", tensors=tiny_draft_tensors(embed=False))
+
+
+class ScriptedDraft:
+    """A draft for the loop in the graphs that proposes a known continuation `expected` `(1, n)`, wrong at index
+    `miss` of each chain: its chain reads the slot it starts at (a device tensor), as the real one's steps do."""
+
+    layer_ids = (0, 1, 2)
+    linear = None
+
+    def __init__(self, expected, miss=None):
+        self.expected = torch.cat([expected[0], expected.new_zeros(64)])  # past the end: anything
+        self.miss = miss
+
+    def reserve(self, slots):
+        pass
+
+    def extend(self, tokens, features, positions, slots, kv_len):
+        n, width = tokens.shape[0], features.shape[1] // 3
+        assert features.shape == (n, 3 * width) and positions.shape == (3, 1, n) and slots.shape == (n,)
+        return features[:, :width]
+
+    def chain(self, hidden, position, slot, kv_len, count):
+        assert hidden.shape[0] == 1 and position.shape == (3, 1, 1) and slot.shape == (1,)
+        proposals = self.expected[slot + 1 + torch.arange(count, device=slot.device)].clone()  # the tokens after the chain's first slot
+        if self.miss is not None:
+            proposals[self.miss] = (proposals[self.miss] + 1) % TINY_VOCAB
+        return proposals
+
+
+def expected_kept(new: int, k: int, kept: int) -> list:
+    """Tokens per cycle when every cycle keeps `kept` proposals, after the prefill's token, up to `new` tokens."""
+    counts, left = [], new - 1
+    while left > 0:
+        counts.append(min(kept + 1, left))
+        left -= counts[-1]
+    return counts
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_generate_with_a_draft_equals_stock(pair, draft_dir, prompt):
+    """A real draft of the published format keeps what the reference loop keeps, and drafts always right or wrong at
+    their second or first proposal keep K + 1, 2 or 1 tokens a cycle: the output is stock's token for token."""
+    ours, stock = pair
+    conversations, media = PROMPTS[prompt]
+    inputs = tiny_inputs(conversations, **media)
+    k, new = 3, 17
+    expected = stock.generate(**inputs, do_sample=False, max_new_tokens=new, eos_token_id=None)
+    try:
+        draft = ours.load_draft(draft_dir, num_draft_tokens=k)
+        got = ours.generate(**inputs, do_sample=False, max_new_tokens=new, eos_token_id=None)
+        assert got.tolist() == expected.tolist()
+        _, reference = speculative_greedy(ours, draft, max_new_tokens=new, num_draft_tokens=k, **inputs)
+        assert ours.speculative_stats["kept_per_cycle"][:-1] == [kept + 1 for kept in reference["accepted"][:-1]]
+        assert sum(ours.speculative_stats["kept_per_cycle"]) == new - 1
+        for miss, kept in ((None, k), (1, 1), (0, 0)):
+            ours.use_draft(ScriptedDraft(expected, miss), k)
+            got = ours.generate(**inputs, do_sample=False, max_new_tokens=new, eos_token_id=None)
+            assert got.tolist() == expected.tolist()
+            assert ours.speculative_stats["kept_per_cycle"] == expected_kept(new, k, kept)
+    finally:
+        ours.use_draft(None)
+
+
+def test_it_stops_at_eos_and_max_new_tokens_inside_a_cycle(pair):
+    """An EOS id or `max_new_tokens` in the middle of a cycle's kept tokens ends the output there, as stock."""
+    ours, stock = pair
+    inputs = tiny_inputs(*PROMPTS["text"][:1])
+    prompt_len = inputs["input_ids"].shape[1]
+    long = stock.generate(**inputs, do_sample=False, max_new_tokens=24, eos_token_id=None)
+    try:
+        ours.use_draft(ScriptedDraft(long), 4)
+        for new in (1, 2, 5, 6, 7, 11):
+            got = ours.generate(**inputs, do_sample=False, max_new_tokens=new, eos_token_id=None)
+            assert got.tolist() == long[:, :prompt_len + new].tolist()
+        eos = long[0, prompt_len + 7].item()
+        expected = stock.generate(**inputs, do_sample=False, max_new_tokens=24, eos_token_id=eos)
+        got = ours.generate(**inputs, do_sample=False, max_new_tokens=24, eos_token_id=eos)
+        assert got.tolist() == expected.tolist()
+        assert got[0, -1].item() == eos and got.shape[1] <= prompt_len + 8
+    finally:
+        ours.use_draft(None)
+
+
+def test_calls_it_does_not_cover_run_the_plain_loop_with_a_notice(pair, draft_dir, caplog):
+    """Sampling, a (padded) batch: the plain loop's output, and one line saying why."""
+    ours, stock = pair
+    batch = tiny_inputs([[PROMPTS["text"][0][0][0]], [PROMPTS["image"][0][0][0]]], images=PROMPTS["image"][1]["images"])
+    try:
+        ours.load_draft(draft_dir, num_draft_tokens=2)
+        got = ours.generate(**batch, do_sample=False, max_new_tokens=6)
+        assert got.tolist() == stock.generate(**batch, do_sample=False, max_new_tokens=6).tolist()
+        torch.manual_seed(0)
+        ours.generate(**tiny_inputs(*PROMPTS["text"][:1]), do_sample=True, max_new_tokens=3)
+    finally:
+        ours.use_draft(None)
+    err = caplog.text
+    assert "a batch of 2 prompts runs the plain decode loop" in err
+    assert "sampling or logits processors the device loop does not cover runs the plain decode loop" in err
+
+
+def test_num_draft_tokens_is_checked(pair, draft_dir):
+    ours, _ = pair
+    with pytest.raises(ValueError, match="num_draft_tokens must be within 1..15, got 0"):
+        ours.load_draft(draft_dir, num_draft_tokens=0)
+    assert ours._draft is None
