@@ -235,6 +235,8 @@ class Eagle3Draft(nn.Module):
         # A draft whose vocabulary is the target's may leave the maps out (SpecForge does): the identity.
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(spec.vocab_size, dtype=torch.bool))
+        if spec.mrope_rows is not None:  # a tensor ahead: none can be made from host data inside a graph capture
+            self.register_buffer("mrope_rows", torch.tensor(spec.mrope_rows), persistent=False)
         self.linear = nn.functional.linear
 
     def rotary(self, positions, slots):
@@ -243,8 +245,7 @@ class Eagle3Draft(nn.Module):
         if spec.mrope_rows is None:
             angle_positions = slots.view(n, 1)
         else:
-            rows = torch.tensor(spec.mrope_rows, device=device)
-            angle_positions = positions[rows, 0].T  # (n, head_dim / 2): each frequency's own row
+            angle_positions = positions[self.mrope_rows, 0].T  # (n, head_dim / 2): each frequency's own row
         exponents = torch.arange(0, spec.head_dim, 2, device=device, dtype=torch.float32) / spec.head_dim
         angles = angle_positions.float() / spec.rope_theta**exponents
         angles = torch.cat([angles, angles], dim=-1).view(1, n, spec.head_dim)
