@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from .capture_qwen3vl_graph import GraphCapturer
 from .workloads import build_ours, generate_exactly_as_asked, image_prompt, save_random_draft
 
 SHORT, LONG = 64, 320  # new tokens of the two timed calls; their difference gives ms per token
@@ -23,21 +24,21 @@ DRAFT_TOKENS = range(1, 8)  # K: verify steps of 2..8 rows
 ACCEPTANCE = (1.5, 2.5, 3.5)  # mean tokens kept per cycle, the projected rows
 
 
-def replay_ms(graph, counter, chunk: int, rounds: int = 7, chunks: int = 12) -> dict:
-    """Median (and spread) over `rounds` of ms per replay of `graph`, replayed in chunks of `chunk` back to back, as
-    the loops do (`counter`, the chunk's step or cycle index that the graph's outputs are written at, is reset per
-    chunk: its buffers hold one chunk)."""
+def replay_ms(graph, state, counter, chunk: int, rounds: int = 15) -> dict:
+    """Median (and spread) over `rounds` chunks of ms per replay of `graph`, replayed `chunk` times back to back as the
+    loops do. Each chunk starts from the same `state` (what the graph advances; restored afterwards), with `counter`
+    (the index its outputs are written at: its buffers hold one chunk) at zero."""
     times = []
     for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(chunks):
+        with GraphCapturer.restoring(state):
             counter.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             for _ in range(chunk):
                 graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (chunks * chunk))
+            end.record()
+            end.synchronize()
+        times.append(start.elapsed_time(end) / chunk)
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
@@ -70,11 +71,8 @@ def part_times(model, k: int, kv_len: int) -> dict:
         "draft_ms": capturer.capture(lambda: runner.propose(kv_len, predicted, kept, start), name="draft"),
         "cycle_ms": runner.graph((kv_len,)),
     }
-    times = {}
-    with capturer.restoring(runner.state()):
-        for name, graph in graphs.items():
-            times[name] = replay_ms(graph, runner.chunk_cycle, runner.cycles_per_sync)
-    return times
+    return {name: replay_ms(graph, runner.state(), runner.chunk_cycle, runner.cycles_per_sync)
+            for name, graph in graphs.items()}
 
 
 def speculative_rows(args) -> dict:
@@ -86,8 +84,7 @@ def speculative_rows(args) -> dict:
     kv_len = 1024  # the cache bucket of the LONG call's last cycles
     plain, plain_out = per_token_ms(model, prompt)
     decode = model._engine.decode
-    with model._engine.capturer.restoring(decode.state()):
-        plain_step = replay_ms(decode.graph((1, kv_len, "greedy")), decode.chunk_step, decode.steps_per_sync)
+    plain_step = replay_ms(decode.graph((1, kv_len, "greedy")), decode.state(), decode.chunk_step, decode.steps_per_sync)
     folder = save_random_draft(model.config, tempfile.mkdtemp(), torch.Generator().manual_seed(1))
     draft, rows = model.load_draft(folder), []
     for k in DRAFT_TOKENS:
