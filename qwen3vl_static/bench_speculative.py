@@ -66,6 +66,7 @@ def part_times(model, k: int, kv_len: int) -> dict:
     predicted, kept = torch.zeros(k + 1, dtype=torch.long, device="cuda"), torch.zeros((), dtype=torch.long,
                                                                                       device="cuda")
     start = runner.verify.cache_lens[:1].clone()
+    runner.chunk_cycle.zero_()  # the captures' warm-up cycles write their outputs from there on
     graphs = {
         "verify_ms": capturer.capture(lambda: runner.verify_and_accept(kv_len), runner.state(), name="verify"),
         "draft_ms": capturer.capture(lambda: runner.propose(kv_len, predicted, kept, start), name="draft"),
