@@ -76,6 +76,7 @@ def part_times(model, k: int, kv_len: int) -> dict:
             for name, graph in graphs.items()}
 
 
+@torch.no_grad()
 def speculative_rows(args) -> dict:
     """The measurements above on the `args.model` preset (bf16, an image prompt of 448x448 + 30 tokens)."""
     device = torch.device("cuda")
