@@ -29,13 +29,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import load_state_dict
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.utils import cached_file
 
 from .compat_qwen3vl_graph import CACHE_KWARG, generate_position_ids, prompt_positions
+from .decoder_qwen3vl_graph import fuse_weights
+from .ops_qwen3vl_graph import TorchOps
 
 # AngelSlim and vLLM name the draft class the first way, SpecForge and SGLang the second.
 ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")
@@ -63,11 +64,8 @@ class DraftSpec:
     draft_vocab_size: int
     layer_ids: tuple[int, ...]
     rms_norm_eps: float
-    hidden_act: str
-    attention_bias: bool
     rope_theta: float
-    # Per rotary frequency, the M-RoPE row (0 T, 1 H, 2 W) its angle reads; None: 1-D RoPE over cache slots.
-    mrope_rows: tuple[int, ...] | None
+    mrope: bool  # the target's M-RoPE over its T/H/W positions; else 1-D RoPE over cache slots
 
     @classmethod
     def from_config(cls, config: dict, target_config) -> "DraftSpec":
@@ -102,85 +100,46 @@ class DraftSpec:
                           or default_layer_ids(text.num_hidden_layers))
         if len(layer_ids) != 3 or not all(0 <= index < text.num_hidden_layers for index in layer_ids):
             refuse(f"it reads the hidden states of layers {list(layer_ids)}: three of 0..{text.num_hidden_layers - 1}")
-        if config.get("hidden_act", "silu") not in ACT2FN:
-            refuse(f"its hidden_act {config['hidden_act']!r} is unknown to transformers")
+        if config.get("hidden_act", "silu") != "silu":
+            refuse(f"its hidden_act is {config['hidden_act']!r}; the draft layer runs SwiGLU (silu)")
+        if config.get("attention_bias"):
+            refuse("its attention projections have biases; the published drafts' have none")
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            refuse(f"its RoPE type {rope_type!r} is not plain or M-RoPE")
+        theta = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        # The draft's rotary tables are the target's own (its module and kernel): the same frequencies, and the same
+        # M-RoPE layout where the draft has M-RoPE.
+        target_rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        target_theta = float(target_rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)))
         section = rope.get("mrope_section")
-        rows = None
-        if section:
-            if 2 * sum(section) != head_dim:
-                refuse(f"its mrope_section {section} does not cover half the head dimension {head_dim}")
-            if rope.get("mrope_interleaved"):  # Qwen3-VL: H and W take every third frequency, from 1 and 2
-                rows = [0] * (head_dim // 2)
-                for row in (1, 2):
-                    for frequency in range(row, 3 * section[row], 3):
-                        rows[frequency] = row
-            else:  # Qwen2-VL: consecutive sections
-                rows = [row for row, size in enumerate(section) for _ in range(size)]
+        if rope_type not in ("default", "mrope") or theta != target_theta or head_dim != text.head_dim:
+            refuse(f"its RoPE ({rope_type}, theta {theta:g}, head_dim {head_dim}) is not the target's (theta "
+                   f"{target_theta:g}, head_dim {text.head_dim})")
+        if section and (list(section) != list(target_rope.get("mrope_section") or [])
+                        or bool(rope.get("mrope_interleaved")) != bool(target_rope.get("mrope_interleaved"))):
+            refuse(f"its mrope_section {section} (interleaved: {bool(rope.get('mrope_interleaved'))}) is not the "
+                   f"target's {target_rope.get('mrope_section')}")
         return cls(
             hidden_size=config["hidden_size"], target_hidden_size=target_hidden,
             intermediate_size=config["intermediate_size"], num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
             vocab_size=config["vocab_size"], draft_vocab_size=draft_vocab, layer_ids=layer_ids,
-            rms_norm_eps=config["rms_norm_eps"], hidden_act=config.get("hidden_act", "silu"),
-            attention_bias=bool(config.get("attention_bias", False)),
-            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            mrope_rows=tuple(rows) if rows else None,
+            rms_norm_eps=config["rms_norm_eps"], rope_theta=theta, mrope=bool(section),
         )
 
 
-def _rotated(x, cos, sin):
-    """RoPE in the Llama layout (each frequency's two components half a head apart)."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
-
-
 class Eagle3Attention(nn.Module):
-    """Causal attention over the draft's own K/V (a static cache of `reserve`d slots), from the 2 * hidden wide
-    input."""
+    """The draft layer's attention projections (read the 2 * hidden wide input), under their published names."""
 
     def __init__(self, spec: DraftSpec):
         super().__init__()
-        wide, bias = 2 * spec.hidden_size, spec.attention_bias
-        self.q_proj = nn.Linear(wide, spec.num_heads * spec.head_dim, bias=bias)
-        self.k_proj = nn.Linear(wide, spec.num_kv_heads * spec.head_dim, bias=bias)
-        self.v_proj = nn.Linear(wide, spec.num_kv_heads * spec.head_dim, bias=bias)
-        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=bias)
-        self.spec = spec
-        self.keys = self.values = None  # (KV heads, slots, head_dim)
-
-    def reserve(self, slots: int) -> None:
-        """A cache of at least `slots` slots, keeping what it holds."""
-        if self.keys is None or self.keys.shape[1] < slots:
-            weight = self.k_proj.weight
-            grown = [torch.zeros(self.spec.num_kv_heads, slots, self.spec.head_dim, dtype=weight.dtype,
-                                 device=weight.device) for _ in range(2)]
-            if self.keys is not None:
-                for new, old in zip(grown, (self.keys, self.values)):
-                    new[:, : old.shape[1]] = old
-            self.keys, self.values = grown
-
-    def forward(self, x, cos, sin, slots, kv_len: int, linear):
-        """`x` `(n, 2 * hidden)` written at cache slots `slots` `(n,)` (a tensor: the loop in the graphs computes them
-        on the device); each attends to the slots up to its own among the first `kv_len`."""
-        spec, n = self.spec, x.shape[0]
-
-        def heads(projection, count):
-            return linear(x, projection.weight, projection.bias).view(n, count, spec.head_dim).transpose(0, 1)
-
-        q = _rotated(heads(self.q_proj, spec.num_heads), cos, sin)
-        self.keys.index_copy_(1, slots, _rotated(heads(self.k_proj, spec.num_kv_heads), cos, sin))
-        self.values.index_copy_(1, slots, heads(self.v_proj, spec.num_kv_heads))
-        mask = torch.arange(kv_len, device=x.device)[None, :] <= slots[:, None]
-        group = spec.num_heads // spec.num_kv_heads
-        keys, values = (cache[:, :kv_len].repeat_interleave(group, dim=0) for cache in (self.keys, self.values))
-        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return linear(out.transpose(0, 1).reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
+        wide = 2 * spec.hidden_size
+        self.q_proj = nn.Linear(wide, spec.num_heads * spec.head_dim, bias=False)
+        self.k_proj = nn.Linear(wide, spec.num_kv_heads * spec.head_dim, bias=False)
+        self.v_proj = nn.Linear(wide, spec.num_kv_heads * spec.head_dim, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
 
 
 class Eagle3MLP(nn.Module):
@@ -189,11 +148,6 @@ class Eagle3MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self.act_fn = ACT2FN[spec.hidden_act]
-
-    def forward(self, x, linear):
-        gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
-        return linear(self.act_fn(gate) * up, self.down_proj.weight)
 
 
 class Eagle3Layer(nn.Module):
@@ -208,19 +162,16 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
 
-    def forward(self, embeds, hidden, cos, sin, slots, kv_len: int, linear):
-        wide = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(wide, cos, sin, slots, kv_len, linear)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), linear)
-
 
 class Eagle3Draft(nn.Module):
     """An EAGLE-3 draft head with the published tensor names. `embed_tokens`: the target's embedding when the
     checkpoint has none of its own (shared, not copied).
 
-    Its steps work on one sequence's cache slots given as tensors, with no host read, so the speculative loop runs
-    them inside its CUDA graph: `extend` takes the target's features of new slots, `chain` proposes from the last.
-    `linear` computes every projection (`F.linear`; the loop in the graphs hands it the engine's measured one)."""
+    Its steps run on an op set (`prepare`: the engine's fused kernels on a GPU, the torch references elsewhere), on one
+    sequence's cache slots given as tensors, with no host read, so the speculative loop runs them inside its CUDA
+    graph: `extend` takes the target's features of new slots, `chain` proposes from the last. The layer is the
+    target's decode step in miniature: its attention is the decode attention over the draft's own K/V cache, its
+    rotary tables the target's (the draft's RoPE must be the target's)."""
 
     def __init__(self, spec: DraftSpec, embed_tokens: nn.Module | None = None):
         super().__init__()
@@ -235,67 +186,88 @@ class Eagle3Draft(nn.Module):
         # A draft whose vocabulary is the target's may leave the maps out (SpecForge does): the identity.
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(spec.vocab_size, dtype=torch.bool))
-        if spec.mrope_rows is not None:  # a tensor ahead: none can be made from host data inside a graph capture
-            self.register_buffer("mrope_rows", torch.tensor(spec.mrope_rows), persistent=False)
-        self.linear = nn.functional.linear
+        self.ops = self.rotary_emb = self.rotary_components = None  # `prepare`'s
+        self.qkv = self.gate_up = self.keys = self.values = None
 
-    def rotary(self, positions, slots):
-        """cos and sin `(1, n, head_dim)` for M-RoPE `positions` `(3, 1, n)` at cache slots `slots` `(n,)`."""
-        spec, n, device = self.spec, positions.shape[-1], positions.device
-        if spec.mrope_rows is None:
-            angle_positions = slots.view(n, 1)
-        else:
-            angle_positions = positions[self.mrope_rows, 0].T  # (n, head_dim / 2): each frequency's own row
-        exponents = torch.arange(0, spec.head_dim, 2, device=device, dtype=torch.float32) / spec.head_dim
-        angles = angle_positions.float() / spec.rope_theta**exponents
-        angles = torch.cat([angles, angles], dim=-1).view(1, n, spec.head_dim)
-        dtype = self.fc.weight.dtype
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-    def reserve(self, slots: int) -> None:
-        """A K/V cache of at least `slots` slots."""
-        self.midlayer.self_attn.reserve(slots)
+    def prepare(self, ops, slots: int, rotary_emb, rotary_components=None) -> None:
+        """Run the steps with `ops` (an op set of ops_qwen3vl_graph.py) over a K/V cache of at least `slots` slots
+        (what it holds is kept), with the target's text rotary embedding `rotary_emb` (`rotary_components`: what the
+        op set's `decode_rotary` reads off it). The q/k/v and gate/up projections are fused once, as the target's are
+        (the parameters become views of the fused matrices)."""
+        attention, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        if self.qkv is None:
+            self.qkv = fuse_weights([attention.q_proj, attention.k_proj, attention.v_proj])
+            self.gate_up = fuse_weights([mlp.gate_proj, mlp.up_proj])
+        self.ops, self.rotary_emb, self.rotary_components = ops, rotary_emb, rotary_components
+        spec, weight = self.spec, self.fc.weight
+        if self.keys is None or self.keys.shape[2] < slots:
+            grown = [torch.zeros(1, spec.num_kv_heads, slots, spec.head_dim, dtype=weight.dtype, device=weight.device)
+                     for _ in range(2)]
+            if self.keys is not None:
+                for new, old in zip(grown, (self.keys, self.values)):
+                    new[:, :, : old.shape[2]] = old
+            self.keys, self.values = grown
+            # Per query row: every slot attendable up to its own (the attention bounds each row by its slot), all
+            # on the cache's one row. Rows for a cycle's queries; a prompt's take more (`layer`).
+            self.attendable = torch.ones(16, slots, dtype=torch.bool, device=weight.device)
+            self.cache_rows = torch.zeros(16, dtype=torch.long, device=weight.device)
 
     def layer(self, tokens, hidden, positions, slots, kv_len: int):
-        """The decoder layer at cache slots `slots` `(n,)` of M-RoPE `positions` `(3, 1, n)`: `hidden` `(n, hidden)`
-        with `tokens` `(n,)`, the token at each next slot."""
-        return self.midlayer(self.embed_tokens(tokens), hidden, *self.rotary(positions, slots), slots, kv_len,
-                             self.linear)
+        """The decoder layer at cache slots `slots` `(n,)` of M-RoPE `positions` `(3, n, 1)`: `hidden` `(n, hidden)`
+        with `tokens` `(n,)`, the token at each next slot. Returns the new hidden states and their final norm."""
+        ops, spec, layer = self.ops, self.spec, self.midlayer
+        n, eps = tokens.shape[0], spec.rms_norm_eps
+        if not spec.mrope:  # 1-D RoPE: by cache slot
+            positions = slots.view(1, n, 1).expand(3, n, 1)
+        rotary = ops.decode_rotary(self.rotary_emb, hidden, positions, self.rotary_components)
+        _, embeds = ops.embed_rms_norm(tokens, self.embed_tokens.weight, layer.input_layernorm.weight, eps)
+        wide = torch.cat([embeds, ops.rms_norm(hidden, layer.hidden_norm.weight, eps)], dim=-1)
+        if n > self.attendable.shape[0]:  # a prompt's slots (eager, outside the graphs)
+            self.attendable = torch.ones(n, self.keys.shape[2], dtype=torch.bool, device=hidden.device)
+            self.cache_rows = torch.zeros(n, dtype=torch.long, device=hidden.device)
+        context = ops.attention_context(self.attendable[:n], self.cache_rows[:n], slots, kv_len, hidden.dtype)
+        out = ops.decode_attention(wide, self.qkv, spec.num_heads, (None, None, eps), rotary, self.keys, self.values,
+                                   slots, context, kv_len, spec.head_dim**-0.5)
+        hidden, x = ops.linear_add_rms_norm(out, layer.self_attn.o_proj.weight, None, hidden,
+                                            layer.post_attention_layernorm.weight, eps)
+        return ops.linear_add_rms_norm(ops.linear_swiglu(x, self.gate_up), layer.mlp.down_proj.weight, None, hidden,
+                                       self.norm.weight, eps)
 
     def extend(self, tokens, features, positions, slots, kv_len: int):
         """The layer over the target's `features` `(n, 3 * target hidden)` (its layers' outputs at `slots`,
-        concatenated): the hidden states `(n, hidden)` to propose from."""
-        return self.layer(tokens, self.linear(features.to(self.fc.weight.dtype), self.fc.weight), positions, slots,
+        concatenated): the hidden states `(n, hidden)` to propose from and their final norm."""
+        return self.layer(tokens, self.ops.linear(features.to(self.fc.weight.dtype), self.fc.weight), positions, slots,
                           kv_len)
 
-    def next_token(self, hidden):
-        """The target ids `(n,)` the draft's head picks after `hidden` `(n, hidden)`."""
-        draft_id = self.linear(self.norm(hidden), self.lm_head.weight).argmax(dim=-1)
+    def next_token(self, normed):
+        """The target ids `(n,)` the draft's head picks after final-normed hidden states `normed` `(n, hidden)`."""
+        draft_id = self.ops.linear(normed, self.lm_head.weight).argmax(dim=-1)
         return draft_id + self.d2t[draft_id]
 
-    def chain(self, hidden, position, slot, kv_len: int, count: int):
-        """`count` target ids `(count,)` proposed one after another from `hidden` `(1, hidden)`; the chain's own slots
-        are `slot` `(1,)` on (M-RoPE `position` `(3, 1, 1)` on), each attending to the first `kv_len`."""
+    def chain(self, hidden, normed, position, slot, kv_len: int, count: int):
+        """`count` target ids `(count,)` proposed one after another from `hidden` `(1, hidden)` (`normed`: its final
+        norm); the chain's own slots are `slot` `(1,)` on (M-RoPE `position` `(3, 1, 1)` on), each attending to the
+        first `kv_len`."""
         proposals = []
         for step in range(count):
-            proposals.append(self.next_token(hidden))
+            proposals.append(self.next_token(normed))
             if step + 1 < count:
-                hidden = self.layer(proposals[-1], hidden, position + step, slot + step, kv_len)
+                hidden, normed = self.layer(proposals[-1], hidden, position + step, slot + step, kv_len)
         return torch.cat(proposals)
 
     @torch.no_grad()
     def propose(self, start: int, tokens, features, positions, count: int) -> torch.Tensor:
-        """`count` target token ids `(1, count)` proposed as a chain.
+        """`count` target token ids `(1, count)` proposed as a chain (after `prepare`).
 
         The draft's slots `start`.. get the target's `features` `(1, n, 3 * hidden)` (its layers' outputs at those
         slots, concatenated) with `tokens` `(1, n)`, the token at each next slot; `positions` `(3, 1, n)` are the
         slots' M-RoPE positions. What the draft held from `start` on (the previous chain) is replaced."""
         n = tokens.shape[1]
         kv_len = start + n + count - 1  # the chain's last slot included
-        self.reserve(kv_len)
         slots = torch.arange(start, start + n, device=tokens.device)
-        hidden = self.extend(tokens[0], features[0], positions, slots, kv_len)
-        return self.chain(hidden[-1:], positions[..., -1:] + 1, slots[-1:] + 1, kv_len, count)[None]
+        positions = positions.transpose(1, 2)
+        hidden, normed = self.extend(tokens[0], features[0], positions, slots, kv_len)
+        return self.chain(hidden[-1:], normed[-1:], positions[:, -1:] + 1, slots[-1:] + 1, kv_len, count)[None]
 
     def load_checkpoint(self, state: dict) -> None:
         """Take the checkpoint's tensors (converted to this module's dtype and device); a ValueError names missing,
@@ -350,7 +322,7 @@ def speculative_greedy(model, draft, input_ids, max_new_tokens: int, num_draft_t
     target checking them all in one forward: the longest prefix it agrees with is kept, plus its own next token, and
     its cache drops the rest. Plain torch on transformers' `DynamicCache`: the reference the in-graph loop must equal.
 
-    `draft`: what `load_draft` returns, or anything with its `layer_ids` and `propose`. `model_inputs`: the
+    `draft`: what `load_draft` returns, or anything with its `layer_ids`, `prepare` and `propose`. `model_inputs`: the
     processor's other outputs (pixels, grids, ...). Returns the sequences `(1, prompt + new)` and stats:
     `accepted` (proposals kept per verify step), `rounds` and `mean_accepted_length` (tokens per verify step)."""
     if input_ids.shape[0] != 1:
@@ -369,6 +341,7 @@ def speculative_greedy(model, draft, input_ids, max_new_tokens: int, num_draft_t
     steps = torch.arange(1, max_new_tokens + k + 1, device=positions.device)
     positions = torch.cat([positions, positions[:, :, -1:] + steps], dim=2)
     layers = model.model.language_model.layers
+    draft.prepare(TorchOps(), prompt_len + max_new_tokens + k, model.model.language_model.rotary_emb)
     cache = DynamicCache()
 
     def target(tokens, start, **media):

@@ -339,9 +339,9 @@ if triton is not None:
         eps, q_out, keys, values, cache_rows, cache_slots, stride_cache_row, stride_cache_head, stride_cache_slot, tickets,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
         FMA_ROWS: tl.constexpr, PRELOAD: tl.constexpr, HEADS: tl.constexpr,
-        KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+        KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
     ):
-        """The fused QKV projection of a few rows then `qk_norm_rope_write`, in one launch: programs as the skinny
+        """The fused QKV projection of a few rows then `qk_norm_rope_write` (QK-norm with NORM), in one launch: programs as the skinny
         matmul's store float32 partials; the last program of each head (a ticket per head counts them) sums them,
         rounds them as the projection's output, norms and rotates q and k, and stores q to `q_out` `(rows, HEADS,
         D)` and k and v into the cache (row `cache_rows[r]`, slot `cache_slots[r]`)."""
@@ -367,7 +367,8 @@ if triton is not None:
             if head < HEADS + KV_HEADS:  # q or k: normed and rotated
                 weights = _head_weights(tl.where(head < HEADS, q_weight, k_weight), HEAD_DIM)
                 table = tl.minimum(row, rows - 1) * HEAD_DIM  # padding rows read a real row's table
-                y = _norm_rope(y, y_rolled, weights, _rope_tables(cos + table, sin + table, HEAD_DIM), eps, HEAD_DIM)
+                y = _norm_rope(y, y_rolled, weights, _rope_tables(cos + table, sin + table, HEAD_DIM), eps, HEAD_DIM,
+                               NORM)
             y = y.to(dtype)
             if head < HEADS:
                 tl.store(q_out + (row * HEADS + head) * HEAD_DIM + dims, y, mask=keep)
@@ -582,13 +583,16 @@ def fused_qkv(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, 
     parts = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     q = torch.empty(rows, heads, head_dim, dtype=x.dtype, device=x.device)
     (q_weight, k_weight, eps), (cos, sin) = qk_norms, rotary
+    norm = q_weight is not None  # else no QK-norm: any valid pointer stands in for the weights
+    q_weight, k_weight = (q_weight, k_weight) if norm else (cos, cos)
     matrix, scale, stride_s, scale_rows = weight_operands(qkv_weight)
     launch(_qkv_norm_rope_write_kernel, (n // block_n, splits),
         x, matrix, scale, parts, rows, k, k_split, x.stride(0), matrix.stride(0), stride_s, splits, q_weight, k_weight,
         cos, sin, eps, q, keys, values, cache_rows, cache_slots, keys.stride(0), keys.stride(1), keys.stride(2),
         tickets, ROWS=padded_rows(rows), BLOCK_N=block_n, BLOCK_K=config.block_k, SCALE_ROWS=scale_rows,
         FMA_ROWS=fma_rows(config, rows), PRELOAD=config.preload,
-        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, num_warps=config.num_warps, num_stages=config.num_stages,
+        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, NORM=norm, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return q
 

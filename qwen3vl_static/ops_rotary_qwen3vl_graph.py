@@ -35,14 +35,18 @@ def qk_norm_rope_write_reference(qkv, heads, q_weight, k_weight, eps, rotary, ke
                                  return_kv: bool = False):
     """QK-norm and rotary embedding of the fused QKV output `(rows, (Hq + 2 Hkv) * D)`, one token per row; writes
     each row's K and V into the cache at `[cache_rows[row], :, cache_slots[row]]` and returns the queries
-    `(rows, Hq, D)`. Decoding writes one token of each sequence; prefill writes all tokens of the prompt.
+    `(rows, Hq, D)`. Decoding writes one token of each sequence; prefill writes all tokens of the prompt. `q_weight`
+    None: no QK-norm, the rotary embedding only.
     `return_kv`: returns `(q, k, v)`, with the K and V written `(rows, Hkv, D)` (a fresh prompt's attention reads
     them there instead of gathering its cache rows)."""
     rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
     qkv = qkv.view(rows, -1, head_dim)
-    qk = F.rms_norm(qkv[:, : heads + kv_heads], (head_dim,), eps=eps)
-    qk[:, :heads] *= q_weight
-    qk[:, heads:] *= k_weight
+    if q_weight is None:  # no QK-norm (an EAGLE-3 draft's Llama layer)
+        qk = qkv[:, : heads + kv_heads]
+    else:
+        qk = F.rms_norm(qkv[:, : heads + kv_heads], (head_dim,), eps=eps)
+        qk[:, :heads] *= q_weight
+        qk[:, heads:] *= k_weight
     cos, signed_sin = rotary
     qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), signed_sin)
     keys[cache_rows, :, cache_slots] = qk[:, heads:]
@@ -80,14 +84,18 @@ if triton is not None:
         return tl.load(cos + dims).to(tl.float32), sign * tl.load(sin + dims).to(tl.float32)
 
     @triton.jit
-    def _norm_rope(x, x_rolled, weights, tables, eps, HEAD_DIM: tl.constexpr):
-        """RMSNorm of each head (a row of `x`, float32) then the rotary embedding (`rotate_half` convention), float32
-        throughout. `x_rolled`: the heads rolled by HEAD_DIM / 2; `weights`, `tables`: `_head_weights`, `_rope_tables`,
-        loaded by the caller before the sum's reduction (a load after it would wait for it)."""
+    def _norm_rope(x, x_rolled, weights, tables, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+        """RMSNorm of each head (a row of `x`, float32; with NORM) then the rotary embedding (`rotate_half`
+        convention), float32 throughout. `x_rolled`: the heads rolled by HEAD_DIM / 2; `weights`, `tables`:
+        `_head_weights`, `_rope_tables`, loaded by the caller before the sum's reduction (a load after it would wait
+        for it)."""
         w, w_rolled = weights
         cos, signed_sin = tables
-        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
-        return x * rstd * w * cos + x_rolled * rstd * w_rolled * signed_sin
+        if NORM:
+            rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps))[:, None]
+            x = x * rstd * w
+            x_rolled = x_rolled * rstd * w_rolled
+        return x * cos + x_rolled * signed_sin
 
     @triton.jit
     def _load_heads(base, heads, keep, splits, split_stride, dtype, HEAD_DIM: tl.constexpr):
@@ -138,9 +146,9 @@ if triton is not None:
         qkv, q_weight, k_weight, cos, sin, q_out, keys, values, cache_rows, cache_slots, k_out, v_out, eps, splits,
         split_stride, stride_cache_row, stride_cache_head, stride_cache_slot,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr, KV_BLOCK: tl.constexpr,
-        HEAD_DIM: tl.constexpr, RETURN_KV: tl.constexpr, PDL: tl.constexpr,
+        HEAD_DIM: tl.constexpr, RETURN_KV: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
     ):
-        """One token and KV_BLOCK of its KV heads per program: their query heads, normed and rotated, to `q_out`;
+        """One token and KV_BLOCK of its KV heads per program: their query heads, normed (NORM) and rotated, to `q_out`;
         their keys, normed and rotated, and values into the cache (and to `k_out`, `v_out` `(tokens, KV heads, D)`
         with RETURN_KV). q and k are rounded once to the storage dtype. `qkv` is the projection's output or its
         `splits` float32 partials (`_load_summed`)."""
@@ -164,9 +172,9 @@ if triton is not None:
                          split_stride, dtype, "")
         slot = (tl.load(cache_rows + row) * stride_cache_row + kv_heads * stride_cache_head
                 + tl.load(cache_slots + row) * stride_cache_slot + dims)
-        q = _norm_rope(q, q_rolled, q_weights, tables, eps, HEAD_DIM)
+        q = _norm_rope(q, q_rolled, q_weights, tables, eps, HEAD_DIM, NORM)
         tl.store(q_out + (row * KV_HEADS * GROUP + q_heads) * HEAD_DIM + dims, q.to(dtype), mask=q_kept)
-        k = _norm_rope(k, k_rolled, k_weights, tables, eps, HEAD_DIM).to(dtype)
+        k = _norm_rope(k, k_rolled, k_weights, tables, eps, HEAD_DIM, NORM).to(dtype)
         tl.store(keys + slot, k)
         tl.store(values + slot, v.to(dtype))
         if RETURN_KV:
@@ -236,11 +244,12 @@ def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values
     group = heads // kv_heads
     per_token = rows >= sm_count(qkv.device) and kv_heads & (kv_heads - 1) == 0  # `tl.arange` needs a power of two
     kv_block = kv_heads if per_token else 1
+    norm = q_weight is not None
     launch(_qk_norm_rope_write_kernel, (rows, kv_heads // kv_block),
-        qkv, q_weight, k_weight, cos, sin, q, keys, values, cache_rows, cache_slots, k, v, eps,
-        qkv.numel() // (rows * n), rows * n, keys.stride(0), keys.stride(1), keys.stride(2),
+        qkv, q_weight if norm else cos, k_weight if norm else cos, cos, sin, q, keys, values, cache_rows, cache_slots,
+        k, v, eps, qkv.numel() // (rows * n), rows * n, keys.stride(0), keys.stride(1), keys.stride(2),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), KV_HEADS=kv_heads, KV_BLOCK=kv_block,
-        HEAD_DIM=head_dim, RETURN_KV=return_kv,
+        HEAD_DIM=head_dim, RETURN_KV=return_kv, NORM=norm,
     )
     return (q, k, v) if return_kv else q
 

@@ -37,16 +37,13 @@ from .runner_qwen3vl_graph import GraphRunner, bucket_of
 class SpeculativeRunner(GraphRunner):
     def __init__(self, decode: DecodeRunner, draft, num_draft_tokens: int):
         """`decode`: the engine's decode runner (its weights, cache, ops and buckets); `draft`: an `Eagle3Draft` or
-        anything with its `layer_ids`, `reserve`, `extend` and `chain`."""
+        anything with its `layer_ids`, `prepare`, `extend` and `chain`."""
         super().__init__(decode.capturer, decode.use_graphs, decode.can_use_graphs)
         k = num_draft_tokens
         cache = decode.cache
         self.verify = DecodeRunner(decode.text, cache, decode.ops, decode.rotary_components, [k + 1],
                                    decode.cache_buckets, decode.steps_per_sync, decode.capturer, False, rows=k + 1)
         self.draft, self.k = draft, k
-        draft.linear = decode.ops.linear  # the engine's measured projections (the CPU's: F.linear)
-        # The chain writes up to K - 1 slots past the verified ones.
-        draft.reserve(cache.capacity + k)
         device = cache.full_keys[0].device
         hidden = decode.text.embed.shape[1]
         self.cycles_per_sync = max(1, decode.steps_per_sync // 2)
@@ -64,8 +61,8 @@ class SpeculativeRunner(GraphRunner):
         self.chunk_cycle = torch.zeros(1, dtype=torch.long, device=device)
 
     def positions(self, slots):
-        """M-RoPE positions `(3, 1, n)` of generated slots `slots` `(n,)`: one apart from the first."""
-        return (self.first_position + (slots - self.prompt_len)).unsqueeze(1)
+        """M-RoPE positions `(3, n, 1)` of generated slots `slots` `(n,)`: one apart from the first."""
+        return (self.first_position + (slots - self.prompt_len)).unsqueeze(2)
 
     # -- the cycle -----------------------------------------------------------------------------------------
 
@@ -100,16 +97,17 @@ class SpeculativeRunner(GraphRunner):
         tokens at their next slots), then its K proposals after the `kept`-th."""
         k, draft = self.k, self.draft
         slots = start + self.order
-        hidden = draft.extend(predicted, self.taps, self.positions(slots), slots, kv_len + k)
+        hidden, normed = draft.extend(predicted, self.taps, self.positions(slots), slots, kv_len + k)
         last = kept.view(1)
         chain_slot = start + last + 1
-        return draft.chain(hidden.index_select(0, last), self.positions(chain_slot), chain_slot, kv_len + k, k)
+        return draft.chain(hidden.index_select(0, last), normed.index_select(0, last), self.positions(chain_slot),
+                           chain_slot, kv_len + k, k)
 
     def set_slots(self, start) -> None:
         """The verify rows' slots: start..start + K (`start`: a tensor)."""
         slots = start + self.order
         self.verify.cache_lens.copy_(slots)
-        self.verify.positions.copy_(self.positions(slots).transpose(1, 2))
+        self.verify.positions.copy_(self.positions(slots))
 
     def state(self) -> tuple:
         verify = self.verify
@@ -153,11 +151,14 @@ class SpeculativeRunner(GraphRunner):
         eos = set(eos_ids)
         if sequence[-1] in eos or max_new_tokens <= 1:
             return torch.tensor([sequence]), []
-        # The draft's cache gets the prompt's slots; its first chain follows.
+        # The draft's cache gets the prompt's slots (the chain writes up to K - 1 past a cycle's verified ones); its
+        # first chain follows.
+        draft.prepare(verify.ops, verify.cache.capacity + k, verify.text.rotary_emb, verify.rotary_components)
         slots = torch.arange(prompt_len, device=input_ids.device)
         tokens = torch.cat([input_ids[0, 1:], first_token])
-        hidden = draft.extend(tokens, prompt_taps, prompt_positions, slots, prompt_len)
-        proposals = draft.chain(hidden[-1:], first_position, slots[-1:] + 1, prompt_len + k - 1, k)
+        hidden, normed = draft.extend(tokens, prompt_taps, prompt_positions.transpose(1, 2), slots, prompt_len)
+        proposals = draft.chain(hidden[-1:], normed[-1:], first_position.view(3, 1, 1), slots[-1:] + 1,
+                                prompt_len + k - 1, k)
         verify.idle()
         verify.cache_rows.zero_()  # every row reads and writes the request's cache row
         verify.eos_ids.fill_(-1)

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
 from conftest import chat, image, new_pair
-from qwen3vl_static.draft_qwen3vl_graph import DraftSpec, Eagle3Draft, speculative_greedy
+from qwen3vl_static.draft_qwen3vl_graph import DraftSpec, speculative_greedy
+from qwen3vl_static.ops_qwen3vl_graph import TorchOps
 from qwen3vl_static.presets import TINY_VOCAB, real_config, tiny_inputs
 
 # AngelSlim's training config of the Qwen3-VL-2B-Instruct draft, as published
@@ -111,6 +111,9 @@ class Oracle:
     def __init__(self, expected, miss=None):
         self.expected, self.miss = expected[0].tolist(), miss
 
+    def prepare(self, ops, slots, rotary_emb, rotary_components=None):
+        pass
+
     def propose(self, start, tokens, features, positions, count):
         n = tokens.shape[1]
         assert features.shape == (1, n, 3 * HIDDEN) and positions.shape == (3, 1, n)
@@ -125,9 +128,7 @@ def test_published_configs_fit_their_targets_only():
     spec = DraftSpec.from_config(ANGELSLIM_2B, real_config("2b"))
     assert spec.layer_ids == (1, 13, 24)  # the 2B's 28 layers
     assert (spec.hidden_size, spec.target_hidden_size, spec.draft_vocab_size) == (2048, 2048, 32000)
-    rows = spec.mrope_rows  # interleaved: H takes frequencies 1, 4, ..., 58 and W 2, 5, ..., 59
-    assert len(rows) == 64 and rows[:6] == (0, 1, 2, 0, 1, 2) and rows[57:] == (0, 1, 2, 0, 0, 0, 0)
-    assert (rows.count(1), rows.count(2)) == (20, 20)
+    assert spec.mrope and spec.rope_theta == 5e6  # the target's interleaved M-RoPE
     with pytest.raises(ValueError, match="reads hidden states 2048 wide"):
         DraftSpec.from_config(ANGELSLIM_2B, real_config("4b"))
     assert DraftSpec.from_config(SPECFORGE_8B, real_config("8b")).layer_ids == (1, 17, 32)  # the 8B's 36 layers
@@ -203,12 +204,14 @@ def _maps_disagree():
     ({"num_hidden_layers": 2}, None, "has 2 decoder layers"),
     ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}, None, r"layers \[0, 1, 3\]"),
     ({"rope_scaling": {"rope_type": "default", "mrope_section": [4, 2, 4]}}, None, "mrope_section"),
+    ({"rope_theta": 500}, None, r"RoPE \(default, theta 500, head_dim 16\) is not the target's"),
+    ({"hidden_act": "gelu"}, None, "runs SwiGLU"),
     ({}, _without("fc.weight"), r"missing \['fc.weight'\]"),
     ({}, _without("t2d"), r"missing \['t2d'\]"),
     ({}, _reshaped_head(), r"lm_head.weight \(99, 64\) \(expected \(100, 64\)\)"),
     ({}, _maps_disagree(), "d2t and t2d do not describe one draft vocabulary"),
-], ids=["architecture", "target-type", "hidden", "vocabulary", "layers", "layer-ids", "rope", "missing", "maps",
-        "shape", "maps-disagree"])
+], ids=["architecture", "target-type", "hidden", "vocabulary", "layers", "layer-ids", "rope", "theta", "act", "missing",
+        "maps", "shape", "maps-disagree"])
 def test_load_draft_refuses_what_does_not_fit(pair, draft_dir, tmp_path, config, tensors, message):
     ours, _ = pair
     before = ours.load_draft(draft_dir)
@@ -218,20 +221,47 @@ def test_load_draft_refuses_what_does_not_fit(pair, draft_dir, tmp_path, config,
     assert ours._draft is before  # nothing attached
 
 
-def test_draft_rotary_equals_the_targets_m_rope(pair, draft_dir):
-    """The draft's interleaved M-RoPE is the target's own (transformers' Qwen3-VL rotary) at image-like positions."""
+def test_draft_layer_is_the_published_llama_layer(pair, draft_dir):
+    """The draft's layer on the op set equals EAGLE-3's Llama layer written out in plain torch (vLLM's and SpecForge's
+    `LlamaDecoderLayer` with a 2 * hidden wide attention input): q/k/v of [norm(embedding), norm(hidden)], the target's
+    M-RoPE (rotate_half), causal grouped-query attention, the residual from the hidden state, SwiGLU, the final norm."""
     ours, _ = pair
-    draft = ours.load_draft(draft_dir)
-    positions = torch.tensor([[[0, 1, 2, 3, 3, 3, 7]], [[0, 1, 2, 3, 3, 4, 7]], [[0, 1, 2, 3, 4, 4, 7]]])
-    cos, sin = draft.rotary(positions, torch.arange(7))
-    expected_cos, expected_sin = Qwen3VLTextRotaryEmbedding(ours.config.text_config)(torch.zeros(1), positions)
-    torch.testing.assert_close(cos[0], expected_cos[0])
-    torch.testing.assert_close(sin[0], expected_sin[0])
-    # A draft without M-RoPE turns by cache slot, whatever the M-RoPE positions.
-    plain = Eagle3Draft(DraftSpec.from_config(tiny_draft_config(rope_scaling=None), ours.config))
-    slots = torch.arange(5, 12).expand(3, 1, 7)
-    for got, expected in zip(plain.rotary(positions, torch.arange(5, 12)), draft.rotary(slots, torch.arange(7))):
-        torch.testing.assert_close(got, expected)
+    draft = ours.load_draft(draft_dir).float()
+    rotary_emb = ours.model.language_model.rotary_emb
+    draft.prepare(TorchOps(), 16, rotary_emb)
+    generator = torch.Generator().manual_seed(3)
+    n = 7
+    tokens = torch.randint(0, TINY_VOCAB, (n,), generator=generator)
+    hidden = torch.randn(n, HIDDEN, generator=generator)
+    positions = torch.tensor([[0, 1, 2, 3, 3, 3, 7], [0, 1, 2, 3, 3, 4, 7], [0, 1, 2, 3, 4, 4, 7]])[:, :, None]
+    got, normed = draft.layer(tokens, hidden, positions, torch.arange(n), n)
+
+    layer, eps = draft.midlayer, draft.spec.rms_norm_eps
+
+    def norm(x, weight):
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def heads(x, count):
+        return x.view(n, count, HEAD_DIM).transpose(0, 1)
+
+    def rope(x, cos, sin):
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+    wide = torch.cat([norm(draft.embed_tokens.weight[tokens], layer.input_layernorm.weight),
+                      norm(hidden, layer.hidden_norm.weight)], dim=-1)
+    cos, sin = rotary_emb(hidden, positions.transpose(1, 2))  # (1, n, D)
+    attention = layer.self_attn
+    q = rope(heads(wide @ attention.q_proj.weight.T, HEADS), cos, sin)
+    k = rope(heads(wide @ attention.k_proj.weight.T, KV_HEADS), cos, sin).repeat_interleave(HEADS // KV_HEADS, 0)
+    v = heads(wide @ attention.v_proj.weight.T, KV_HEADS).repeat_interleave(HEADS // KV_HEADS, 0)
+    weights = (q @ k.transpose(1, 2) / HEAD_DIM**0.5).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -torch.inf)
+    out = (weights.softmax(-1) @ v).transpose(0, 1).reshape(n, -1) @ attention.o_proj.weight.T
+    expected = hidden + out
+    mlp, x = layer.mlp, norm(expected, layer.post_attention_layernorm.weight)
+    expected = expected + (torch.nn.functional.silu(x @ mlp.gate_proj.weight.T) * (x @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(normed, norm(expected, draft.norm.weight), atol=1e-4, rtol=1e-4)
 
 
 def test_draft_cache_extends_and_replaces_its_chain(pair, draft_dir):
@@ -239,6 +269,7 @@ def test_draft_cache_extends_and_replaces_its_chain(pair, draft_dir):
     proposes what one pass over the whole sequence does."""
     ours, _ = pair
     draft = ours.load_draft(draft_dir)
+    draft.prepare(TorchOps(), 16, ours.model.language_model.rotary_emb)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, TINY_VOCAB, (1, 9), generator=generator)
     features = torch.randn(1, 9, 3 * HIDDEN, generator=generator)

@@ -44,20 +44,22 @@ SKINNY_CONFIGS = {
 @pytest.mark.parametrize("rows", [1, 3, 20])  # 20: more rows than one `tl.dot` width, padded to 32
 @pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
-def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form):
+@pytest.mark.parametrize("normed", [True, False], ids=["qk-norm", "rope-only"])
+def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form, normed):
     """The QKV projection with QK-norm/RoPE/KV write in its epilogue (each head's last program; column tiles of half a
     head), or its partial products summed by the QK-norm/RoPE/write kernel, against the projection then the reference
-    ops. Only each row's slot is written."""
+    ops; with QK-norm, or the rotary embedding only (an EAGLE-3 draft's layer). Only each row's slot is written."""
     heads, kv_heads, dim, hidden, slots = 4, 2, 32, 96, 20
     x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
-    qk_norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
+    qk_norms = (randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6) if normed else (None, None, 1e-6)
     cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
     cache_rows = torch.arange(rows, device=DEVICE)
     cache_slots = torch.tensor([4, 19, 0] + list(range(3, rows)), device=DEVICE)[:rows]
     keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
     values = torch.full_like(keys, float("nan"))
     k_ref, v_ref = keys.float(), values.float()
-    q_ref = Torch.qkv_norm_rope_write(x.float(), qkv_weight.float(), heads, tuple(w.float() for w in qk_norms[:2]) + qk_norms[2:],
+    q_ref = Torch.qkv_norm_rope_write(x.float(), qkv_weight.float(), heads,
+                                      tuple(w if w is None else w.float() for w in qk_norms[:2]) + qk_norms[2:],
                                       Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_rows, cache_slots)
     config = matmul.SkinnyConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2)
     tickets = Triton.ticket(torch.device(DEVICE), heads + 2 * kv_heads)

@@ -26,23 +26,22 @@ class ScriptedDraft:
     `miss` of each chain: its chain reads the slot it starts at (a device tensor), as the real one's steps do."""
 
     layer_ids = (0, 1, 2)
-    linear = None
 
     def __init__(self, expected, miss=None):
         self.expected = torch.cat([expected[0], expected.new_zeros(64)])  # past the end: anything
         self.miss = miss
 
-    def reserve(self, slots):
+    def prepare(self, ops, slots, rotary_emb, rotary_components=None):
         pass
 
     def extend(self, tokens, features, positions, slots, kv_len):
         n, width = tokens.shape[0], features.shape[1] // 3
-        assert features.shape == (n, 3 * width) and positions.shape == (3, 1, n) and slots.shape == (n,)
-        return features[:, :width]
+        assert features.shape == (n, 3 * width) and positions.shape == (3, n, 1) and slots.shape == (n,)
+        return features[:, :width], features[:, :width]
 
-    def chain(self, hidden, position, slot, kv_len, count):
-        assert hidden.shape[0] == 1 and position.shape == (3, 1, 1) and slot.shape == (1,)
-        proposals = self.expected[slot + 1 + torch.arange(count, device=slot.device)].clone()  # the tokens after the chain's first slot
+    def chain(self, hidden, normed, position, slot, kv_len, count):
+        assert hidden.shape[0] == normed.shape[0] == 1 and position.shape == (3, 1, 1) and slot.shape == (1,)
+        proposals = self.expected[slot + 1 + torch.arange(count, device=slot.device)].clone()
         if self.miss is not None:
             proposals[self.miss] = (proposals[self.miss] + 1) % TINY_VOCAB
         return proposals
