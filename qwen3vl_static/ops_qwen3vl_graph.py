@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging
 
+from .ops_accept_qwen3vl_graph import accept, accept_reference
 from .ops_attention_qwen3vl_graph import (
     attention_context,
     attention_context_reference,
@@ -98,6 +99,7 @@ class TorchOps:
     silu_mul = staticmethod(silu_mul_reference)
     advance = staticmethod(advance)
     finish_step = staticmethod(finish_step_reference)
+    accept = staticmethod(accept_reference)
     sample = staticmethod(sample_tokens)
     add_layer_norm = staticmethod(add_layer_norm_reference)
     linear_gelu_tanh = staticmethod(linear_gelu_tanh_reference)
@@ -160,6 +162,7 @@ class TritonOps(TorchOps):
     vision_qkv_rope = staticmethod(vision_qkv_rope)
     silu_mul = staticmethod(silu_mul)
     add_layer_norm = staticmethod(add_layer_norm)
+    accept = staticmethod(accept)
 
     def ticket(self, device, count=1) -> torch.Tensor:
         """`count` of the device's counters of finished programs, for kernels whose last program (of all, or of each

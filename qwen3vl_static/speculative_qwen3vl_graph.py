@@ -31,6 +31,7 @@ from collections import deque
 import torch
 
 from .decode_qwen3vl_graph import DecodeRunner
+from .ops_accept_qwen3vl_graph import CycleState
 from .runner_qwen3vl_graph import GraphRunner, bucket_of
 
 
@@ -59,6 +60,12 @@ class SpeculativeRunner(GraphRunner):
         self.out_tokens = torch.zeros(self.cycles_per_sync, k + 1, dtype=torch.long, device=device)
         self.out_counts = torch.zeros(self.cycles_per_sync, dtype=torch.long, device=device)
         self.chunk_cycle = torch.zeros(1, dtype=torch.long, device=device)
+        verify = self.verify
+        self.accepted = CycleState(
+            self.proposals, verify.eos_ids, self.produced, self.max_new, self.alive, self.chunk_cycle,
+            self.out_tokens, self.out_counts, verify.cache_lens, verify.positions, verify.input_ids,
+            self.first_position, self.prompt_len, start=torch.zeros(1, dtype=torch.long, device=device),
+            kept=torch.zeros((), dtype=torch.long, device=device))
 
     def positions(self, slots):
         """M-RoPE positions `(3, n, 1)` of generated slots `slots` `(n,)`: one apart from the first."""
@@ -67,30 +74,19 @@ class SpeculativeRunner(GraphRunner):
     # -- the cycle -----------------------------------------------------------------------------------------
 
     def step(self, kv_len: int) -> None:
-        predicted, kept, count = self.verify_and_accept(kv_len)
-        start = self.verify.cache_lens[:1]
-        proposals = self.propose(kv_len, predicted, kept, start)
-        # The next cycle's rows: the pending token (the target's own after the kept ones), then the proposals.
+        predicted = self.verify_and_accept(kv_len)
+        proposals = self.propose(kv_len, predicted, self.accepted.kept, self.accepted.start)
+        # The next cycle's rows: the pending token (`accept` wrote it), then the proposals.
         self.proposals.copy_(proposals)
-        self.verify.input_ids[:1, 0] = predicted.index_select(0, (count - 1).clamp(min=0))
         self.verify.input_ids[1:, 0] = proposals
-        self.set_slots(start + count)
 
     def verify_and_accept(self, kv_len: int):
-        """Steps 1 and 2: the target's tokens after each row `(K + 1,)`, the proposals kept (a 0-d tensor) and the
-        tokens the cycle outputs (`(1,)`: the kept ones and the target's next, cut at a stop), recorded."""
-        verify, k = self.verify, self.k
-        predicted = verify.forward(k + 1, kv_len, self.record).argmax(dim=-1)
-        kept = (self.proposals == predicted[:k]).long().cumprod(dim=0).sum()
-        stops = (predicted[:, None] == verify.eos_ids).any(dim=-1) & (self.order <= kept)
-        count = torch.where(stops.any(), stops.long().argmax() + 1, kept + 1)
-        count = (torch.minimum(count, self.max_new - self.produced) * self.alive).view(1)
-        self.out_tokens.index_copy_(0, self.chunk_cycle, predicted[None])
-        self.out_counts.index_copy_(0, self.chunk_cycle, count)
-        self.chunk_cycle += 1
-        self.produced += count[0]
-        self.alive &= ~stops.any() & (self.produced < self.max_new)
-        return predicted, kept, count
+        """Steps 1 and 2: the target's tokens after each row `(K + 1,)`; what the cycle keeps and outputs is recorded
+        and the rows move past it (`ops.accept`)."""
+        verify = self.verify
+        predicted = verify.forward(self.k + 1, kv_len, self.record).argmax(dim=-1)
+        verify.ops.accept(predicted, self.accepted)
+        return predicted
 
     def propose(self, kv_len: int, predicted, kept, start):
         """Step 3: the draft over the verified slots from `start` `(1,)` (the target's `predicted` tokens are the
@@ -102,12 +98,6 @@ class SpeculativeRunner(GraphRunner):
         chain_slot = start + last + 1
         return draft.chain(hidden.index_select(0, last), normed.index_select(0, last), self.positions(chain_slot),
                            chain_slot, kv_len + k, k)
-
-    def set_slots(self, start) -> None:
-        """The verify rows' slots: start..start + K (`start`: a tensor)."""
-        slots = start + self.order
-        self.verify.cache_lens.copy_(slots)
-        self.verify.positions.copy_(self.positions(slots))
 
     def state(self) -> tuple:
         verify = self.verify
@@ -167,7 +157,9 @@ class SpeculativeRunner(GraphRunner):
         self.proposals.copy_(proposals)
         self.prompt_len.fill_(prompt_len)
         self.first_position.copy_(first_position.view(3, 1))
-        self.set_slots(self.prompt_len)
+        slots = prompt_len + self.order
+        verify.cache_lens.copy_(slots)
+        verify.positions.copy_(self.positions(slots))
         self.produced.fill_(1)
         self.max_new.fill_(max_new_tokens)
         self.alive.fill_(True)
