@@ -68,9 +68,10 @@ def part_times(model, k: int, kv_len: int) -> dict:
     start = runner.verify.cache_lens[:1].clone()
     runner.chunk_cycle.zero_()  # the captures' warm-up cycles write their outputs from there on
     graphs = {
-        "verify_ms": capturer.capture(lambda: runner.verify_and_accept(kv_len), runner.state(), name="verify"),
+        "verify_ms": capturer.capture(lambda: runner.verify_and_accept(kv_len, "greedy"), runner.state(),
+                                       name="verify"),
         "draft_ms": capturer.capture(lambda: runner.propose(kv_len, predicted, kept, start), name="draft"),
-        "cycle_ms": runner.graph((kv_len,)),
+        "cycle_ms": runner.graph((kv_len, "greedy")),
     }
     return {name: replay_ms(graph, runner.state(), runner.chunk_cycle, runner.cycles_per_sync)
             for name, graph in graphs.items()}

@@ -228,9 +228,10 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         ...), on the model's device in its dtype. A draft of another architecture or for another target is refused
         with a ValueError naming what differs, before anything is attached.
 
-        From then on greedy `generate` of one unpadded prompt proposes `num_draft_tokens` tokens a cycle with it and
-        checks them in one target step (speculative decoding: the same tokens, fewer steps); other calls run the
-        plain loop (a one-line notice says why). `use_draft(None)` detaches it."""
+        From then on `generate` of one unpadded prompt proposes `num_draft_tokens` tokens a cycle with it and checks
+        them in one target step (speculative decoding): greedy output is the same tokens, sampled output is drawn from
+        the same distribution (the standard rejection rule), in fewer steps when the draft is often right. Other calls
+        run the plain loop (a one-line notice says why). `use_draft(None)` detaches it."""
         if not 1 <= num_draft_tokens <= 15:
             raise ValueError(f"num_draft_tokens must be within 1..15, got {num_draft_tokens}")
         draft = load_draft(path_or_repo_id, self, **hub_kwargs)
@@ -519,9 +520,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         if speculating:
             runner = engine.speculative
             sequences, kept = runner.generate(
-                input_ids, logits.argmax(dim=-1), engine.prefill.taps, positions,
-                first_decode_positions(self, model_kwargs, positions, input_ids.shape[1]),
-                plan["max_length"] - input_ids.shape[1], plan["eos_ids"], streamer)
+                input_ids, logits, engine.prefill.taps, positions,
+                first_decode_positions(self, model_kwargs, positions, input_ids.shape[1]), plan, streamer)
             self.speculative_stats = {"num_draft_tokens": runner.k, "kept_per_cycle": kept}
         elif plan is None:
             sequences, scores, raw_logits = host_loop(engine.decode, input_ids, logits, logits_processor,
@@ -540,8 +540,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
 
     def _speculation_blocker(self, plan, input_ids, model_kwargs, start: int) -> str | None:
         """Why this call runs the plain loop although a draft is loaded (said once), or None."""
-        if plan is None or plan["mode"] != "greedy":
-            reason = "sampling or logits processors the device loop does not cover"
+        if plan is None:
+            reason = "logits processors or stopping criteria the device loop does not cover"
         elif input_ids.shape[0] != 1:
             reason = f"a batch of {input_ids.shape[0]} prompts"
         elif start:
@@ -554,7 +554,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         else:
             return None
         logger.warning_once(f"{type(self).__name__}: {reason} runs the plain decode loop; speculative decoding covers "
-                            "greedy generation of one unpadded prompt.")
+                            "one unpadded prompt, greedy or sampled by the device loop.")
         return reason
 
     def _prefill_prompt(self, input_ids, model_kwargs, start: int, rows=None, stream=None, padded: bool | None = None,

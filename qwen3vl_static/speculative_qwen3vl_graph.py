@@ -11,15 +11,19 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Speculative greedy decoding with an EAGLE-3 draft, one captured CUDA graph per cycle.
+"""Speculative decoding with an EAGLE-3 draft, one captured CUDA graph per cycle.
 
 A cycle, all on the device (no host read inside, so consecutive replays need no host work):
 1. verify: the target's decode step over K + 1 rows that share the request's cache row: the pending token and the
    draft's K proposals at slots L..L+K (row i attends to the slots up to L + i: the decode attention bounds each row by
    its own length, and every row's K/V is written before any row attends). It keeps the outputs of the layers the
    draft reads;
-2. accept: the target's argmax at each position; the proposals it agrees with, as a prefix, are kept, plus its own
-   next token (at most K + 1 tokens), cut at an EOS id or at `max_new_tokens`. Cache lengths move past the kept
+2. accept: the target's token at each position (its argmax, or drawn with the request's sampling settings); the
+   proposals it agrees with, as a prefix, are kept, plus its own next token (at most K + 1 tokens), cut at an EOS id or
+   at `max_new_tokens`. For a draft that proposes one token for sure (its argmax), drawing every row from the target and
+   keeping a proposal where the draw equals it is the standard rejection rule: a proposal is kept with the target's
+   probability of it, and the draw that differs is distributed as the target's residual (its distribution without the
+   proposal, renormalized), so the output is distributed as the target's own sampling. Cache lengths move past the kept
    tokens only; K/V written past them is rewritten by the next cycle before anything reads it;
 3. draft: the draft's layer over the K + 1 verified slots (their features, the token at each next slot), then its chain
    of K proposals from the last kept one.
@@ -31,6 +35,7 @@ from collections import deque
 import torch
 
 from .decode_qwen3vl_graph import DecodeRunner
+from .loops_qwen3vl_graph import first_tokens
 from .ops_accept_qwen3vl_graph import CycleState
 from .runner_qwen3vl_graph import GraphRunner, bucket_of
 
@@ -73,18 +78,19 @@ class SpeculativeRunner(GraphRunner):
 
     # -- the cycle -----------------------------------------------------------------------------------------
 
-    def step(self, kv_len: int) -> None:
-        predicted = self.verify_and_accept(kv_len)
+    def step(self, kv_len: int, mode: str) -> None:
+        predicted = self.verify_and_accept(kv_len, mode)
         proposals = self.propose(kv_len, predicted, self.accepted.kept, self.accepted.start)
         # The next cycle's rows: the pending token (`accept` wrote it), then the proposals.
         self.proposals.copy_(proposals)
         self.verify.input_ids[1:, 0] = proposals
 
-    def verify_and_accept(self, kv_len: int):
-        """Steps 1 and 2: the target's tokens after each row `(K + 1,)`; what the cycle keeps and outputs is recorded
-        and the rows move past it (`ops.accept`)."""
-        verify = self.verify
-        predicted = verify.forward(self.k + 1, kv_len, self.record).argmax(dim=-1)
+    def verify_and_accept(self, kv_len: int, mode: str):
+        """Steps 1 and 2: the target's tokens after each row `(K + 1,)` (a `MODES` mode of the decode runner: greedy or
+        drawn); what the cycle keeps and outputs is recorded and the rows move past it (`ops.accept`)."""
+        verify, rows = self.verify, self.k + 1
+        logits = verify.forward(rows, kv_len, self.record)
+        predicted = first_tokens(verify, logits, mode, slice(0, rows))
         verify.ops.accept(predicted, self.accepted)
         return predicted
 
@@ -105,15 +111,15 @@ class SpeculativeRunner(GraphRunner):
                 self.chunk_cycle)
 
     def describe(self, key) -> str:
-        return f"speculative cycle ({self.k} draft tokens, {key[0]} cache slots)"
+        return f"speculative cycle ({self.k} draft tokens, {key[0]} cache slots, {key[1]})"
 
     # -- the loop ------------------------------------------------------------------------------------------
 
-    def issue(self, cycles: int, kv_len: int):
+    def issue(self, cycles: int, kv_len: int, mode: str):
         """Queue `cycles` cycles attending to the first `kv_len` slots and the copy of their kept tokens to the host;
         returns a handle for `collect`."""
         self.chunk_cycle.zero_()
-        self.execute((kv_len,), cycles)
+        self.execute((kv_len, mode), cycles)
         tokens, counts = self.out_tokens[:cycles], self.out_counts[:cycles]
         if not tokens.is_cuda:
             return tokens.clone(), counts.clone(), None
@@ -127,17 +133,20 @@ class SpeculativeRunner(GraphRunner):
     collect = staticmethod(DecodeRunner.collect)
 
     @torch.no_grad()
-    def generate(self, input_ids, first_token, prompt_taps, prompt_positions, first_position, max_new_tokens: int,
-                 eos_ids, streamer=None) -> torch.Tensor:
-        """Greedy tokens after the prompt `input_ids` `(1, n)`, whose prefill gave `first_token` `(1,)` and the draft's
-        layers' outputs `prompt_taps` `(n, 3 * hidden)` at its M-RoPE `prompt_positions` `(3, 1, n)`; the first
-        generated token sits at `first_position` `(3, 1, 1)`. Returns the sequence (prompt and new tokens) on the
-        host and the tokens kept per cycle."""
-        verify, k, draft = self.verify, self.k, self.draft
-        prompt_len = input_ids.shape[1]
+    def generate(self, input_ids, logits, prompt_taps, prompt_positions, first_position, plan, streamer=None):
+        """The tokens after the prompt `input_ids` `(1, n)` as `plan` (`device_plan`'s: greedy or sampling settings,
+        max length, EOS ids) asks, from its prefill's float32 `logits` `(1, vocab)` and the draft's layers' outputs
+        `prompt_taps` `(n, 3 * hidden)` at its M-RoPE `prompt_positions` `(3, 1, n)`; the first generated token sits
+        at `first_position` `(3, 1, 1)`. Returns the sequence (prompt and new tokens) on the host and the tokens kept
+        per cycle."""
+        verify, k, draft, mode = self.verify, self.k, self.draft, plan["mode"]
+        prompt_len, max_new_tokens = input_ids.shape[1], plan["max_length"] - input_ids.shape[1]
+        verify.set_row_sampling(slice(None), plan["temperature"], plan["top_k"], plan["top_p"], plan["min_p"])
+        first_token = first_tokens(verify, logits, mode, slice(0, 1))
         sequence = [*input_ids[0].tolist(), int(first_token)]
         if streamer is not None:
             streamer.put(first_token.cpu())
+        eos_ids = plan["eos_ids"]
         eos = set(eos_ids)
         if sequence[-1] in eos or max_new_tokens <= 1:
             return torch.tensor([sequence]), []
@@ -178,7 +187,7 @@ class SpeculativeRunner(GraphRunner):
                     break
                 cycles = int(min(self.cycles_per_sync, max(1, wanted)))
                 furthest = min(last_slot, len(sequence) - 1 + (queued + cycles) * (k + 1))
-                chunks.append((cycles, self.issue(cycles, bucket_of(verify.cache_buckets, furthest + k + 1))))
+                chunks.append((cycles, self.issue(cycles, bucket_of(verify.cache_buckets, furthest + k + 1), mode)))
                 queued += cycles
             _, handle = chunks.popleft()
             rows, counts = self.collect(handle)

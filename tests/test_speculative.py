@@ -8,6 +8,7 @@ import torch
 from conftest import new_pair
 from qwen3vl_static.draft_qwen3vl_graph import speculative_greedy
 from qwen3vl_static.presets import TINY_VOCAB, tiny_inputs
+from test_sampling_distribution import SIGNIFICANCE, chi_square_quantile
 from test_draft import PROMPTS, save_draft, tiny_draft_tensors
 
 
@@ -102,20 +103,19 @@ def test_it_stops_at_eos_and_max_new_tokens_inside_a_cycle(pair):
 
 
 def test_calls_it_does_not_cover_run_the_plain_loop_with_a_notice(pair, draft_dir, caplog):
-    """Sampling, a (padded) batch: the plain loop's output, and one line saying why."""
+    """A (padded) batch, a logits processor: the plain loop's output, and one line saying why."""
     ours, stock = pair
     batch = tiny_inputs([[PROMPTS["text"][0][0][0]], [PROMPTS["image"][0][0][0]]], images=PROMPTS["image"][1]["images"])
     try:
         ours.load_draft(draft_dir, num_draft_tokens=2)
         got = ours.generate(**batch, do_sample=False, max_new_tokens=6)
         assert got.tolist() == stock.generate(**batch, do_sample=False, max_new_tokens=6).tolist()
-        torch.manual_seed(0)
-        ours.generate(**tiny_inputs(*PROMPTS["text"][:1]), do_sample=True, max_new_tokens=3)
+        ours.generate(**tiny_inputs(*PROMPTS["text"][:1]), do_sample=False, repetition_penalty=1.5, max_new_tokens=3)
     finally:
         ours.use_draft(None)
     err = caplog.text
     assert "a batch of 2 prompts runs the plain decode loop" in err
-    assert "sampling or logits processors the device loop does not cover runs the plain decode loop" in err
+    assert "logits processors or stopping criteria the device loop does not cover runs the plain decode loop" in err
 
 
 def test_num_draft_tokens_is_checked(pair, draft_dir):
@@ -123,3 +123,51 @@ def test_num_draft_tokens_is_checked(pair, draft_dir):
     with pytest.raises(ValueError, match="num_draft_tokens must be within 1..15, got 0"):
         ours.load_draft(draft_dir, num_draft_tokens=0)
     assert ours._draft is None
+
+
+def test_sampled_answers_follow_the_targets_distribution(pair):
+    """Sampling with a draft that proposes the greedy continuation (kept where the target's draw equals it, the draw
+    output otherwise) draws each answer with the target's own probability: a chi-square goodness-of-fit test of 3,000
+    answers of 3 tokens (temperature 0.8, top-k 3: at most 27 answers) against the stock model's exact probabilities.
+    Both branches of the rule ran: some cycles kept proposals, some kept none."""
+    ours, stock = pair
+    inputs = tiny_inputs(*PROMPTS["text"][:1])
+    prompt = inputs["input_ids"]
+    temperature, top_k, draws = 0.8, 3, 3000
+
+    def next_token_probabilities(sequences):
+        with torch.no_grad():
+            logits = stock(input_ids=sequences).logits[:, -1].float() / temperature
+        return logits.masked_fill(logits < logits.topk(top_k).values[:, -1:], -torch.inf).softmax(-1)
+
+    expected = {(): 1.0}
+    for _ in range(3):
+        grown = {}
+        for answer, probability in expected.items():
+            sequence = torch.cat([prompt, torch.tensor([answer], dtype=torch.long).view(1, -1)], dim=1)
+            for token, p in enumerate(next_token_probabilities(sequence)[0].tolist()):
+                if p > 0:
+                    grown[(*answer, token)] = probability * p
+        expected = grown
+    greedy = stock.generate(**inputs, do_sample=False, max_new_tokens=8, eos_token_id=None)
+    counts, kept = {}, []
+    try:
+        ours.use_draft(ScriptedDraft(greedy), 2)
+        torch.manual_seed(0)
+        for _ in range(draws):
+            out = ours.generate(**inputs, do_sample=True, temperature=temperature, top_k=top_k, top_p=1.0,
+                                max_new_tokens=3, eos_token_id=None)
+            answer = tuple(out[0, prompt.shape[1]:].tolist())
+            counts[answer] = counts.get(answer, 0) + 1
+            kept += ours.speculative_stats["kept_per_cycle"]
+    finally:
+        ours.use_draft(None)
+    assert set(counts) <= set(expected)
+    assert 1 in kept and max(kept) > 1  # proposals rejected and kept
+    # Answers expected fewer than 5 times are pooled (the chi-square approximation needs 5).
+    rare = [answer for answer, p in expected.items() if p * draws < 5]
+    cells = [([answer], p) for answer, p in expected.items() if answer not in rare]
+    cells.append((rare, sum(expected[answer] for answer in rare)))
+    statistic = sum((sum(counts.get(answer, 0) for answer in answers) - p * draws) ** 2 / (p * draws)
+                    for answers, p in cells if p > 0)
+    assert statistic <= chi_square_quantile(1 - SIGNIFICANCE, len(cells) - 1), (statistic, len(cells))
