@@ -52,7 +52,7 @@ from transformers.utils.logging import tqdm
 from .cache_qwen3vl_graph import kv_heads_and_dim
 from .compat_qwen3vl_graph import generate_position_ids, media_features, prompt_positions
 from .loops_qwen3vl_graph import TOP_K_CANDIDATES, first_tokens
-from .runner_qwen3vl_graph import bucket_of
+from .runner_qwen3vl_graph import bucket_of, collected, copy_to_host
 from .scheduler_qwen3vl_graph import Scheduler, Sequence
 
 logger = logging.get_logger(__name__)
@@ -621,14 +621,7 @@ class GraphBatchingManager:
                         self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(alone).__name__}: {alone}")
         if not went_on:
             return [], None
-        tokens = torch.cat(tokens)
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-            return went_on, (host, copied)
-        return went_on, (tokens, None)
+        return went_on, copy_to_host(torch.cat(tokens))
 
     def _prefill(self, part: list, engine) -> torch.Tensor | None:
         """One prefill of `part` (prompts of one kind, padded on the left) into their rows; their first tokens. A prompt
@@ -705,9 +698,7 @@ class GraphBatchingManager:
     def _read_tokens(self, chunk: _Chunk, scheduler, runner) -> None:
         touched, began = set(), time.perf_counter()
         if chunk.entered:
-            tokens, copied = chunk.first_tokens
-            if copied is not None:
-                copied.synchronize()
+            (tokens,) = collected(chunk.first_tokens)
             for sequence, token in zip(chunk.entered, tokens.tolist()):
                 if not sequence.done:
                     self._append(sequence, [token], scheduler, runner)

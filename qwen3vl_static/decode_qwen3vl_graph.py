@@ -33,7 +33,7 @@ import torch
 from .decoder_qwen3vl_graph import decoder_layers
 from .loops_qwen3vl_graph import MAX_EOS_IDS, candidates
 from .ops_sample_qwen3vl_graph import seeded_noise
-from .runner_qwen3vl_graph import GraphRunner, bucket_of
+from .runner_qwen3vl_graph import GraphRunner, bucket_of, collected, copy_to_host
 
 MODES = ("logits", "greedy", "sample", "sample_top_k", "sample_seeded", "sample_top_k_seeded")
 
@@ -196,23 +196,12 @@ class DecodeRunner(GraphRunner):
         self.chunk_step.zero_()
         self._advance(mode, steps)
         batch = self.batch_size
-        tokens, unfinished = self.out_tokens[:batch, :steps], self.out_unfinished[:batch, :steps]
-        if not tokens.is_cuda:  # a copy: the buffers are overwritten by the next chunk
-            return tokens.clone(), unfinished.clone(), None
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens, unfinished)]
-        for target, source in zip(host, (tokens, unfinished)):
-            target.copy_(source, non_blocking=True)  # queued before the next chunk's steps overwrite the source
-        copied = torch.cuda.Event()
-        copied.record()
-        return *host, copied
+        return copy_to_host(self.out_tokens[:batch, :steps], self.out_unfinished[:batch, :steps])
 
     @staticmethod
     def collect(handle):
         """Wait for an issued chunk; its tokens and unfinished flags on the host, `(b, steps)` each."""
-        tokens, unfinished, copied = handle
-        if copied is not None:
-            copied.synchronize()
-        return tokens, unfinished
+        return collected(handle)
 
     def _advance(self, mode: str, steps: int) -> None:
         rows = bucket_of(self.batch_buckets, self.batch_size)

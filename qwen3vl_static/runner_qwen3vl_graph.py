@@ -21,6 +21,29 @@ when graphs are off, on the same padded shapes, so the two give the same numbers
 
 import bisect
 
+import torch
+
+
+def copy_to_host(*tensors):
+    """A handle for `collected`: copies of `tensors` on the host, queued without waiting (pinned memory, an event) on a
+    GPU; plain copies elsewhere. The copies are queued before later work overwrites the sources."""
+    if not tensors[0].is_cuda:
+        return *(tensor.clone() for tensor in tensors), None
+    host = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) for tensor in tensors]
+    for target, source in zip(host, tensors):
+        target.copy_(source, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return *host, copied
+
+
+def collected(handle):
+    """Wait for a `copy_to_host` handle; the host copies."""
+    *tensors, copied = handle
+    if copied is not None:
+        copied.synchronize()
+    return tensors
+
 
 def bucket_of(buckets: list[int], size: int) -> int | None:
     """The smallest of the sorted `buckets` that holds `size`, or None when none does."""

@@ -37,7 +37,7 @@ import torch
 from .decode_qwen3vl_graph import DecodeRunner
 from .loops_qwen3vl_graph import first_tokens
 from .ops_accept_qwen3vl_graph import CycleState
-from .runner_qwen3vl_graph import GraphRunner, bucket_of
+from .runner_qwen3vl_graph import GraphRunner, bucket_of, collected, copy_to_host
 
 
 class SpeculativeRunner(GraphRunner):
@@ -120,17 +120,9 @@ class SpeculativeRunner(GraphRunner):
         returns a handle for `collect`."""
         self.chunk_cycle.zero_()
         self.execute((kv_len, mode), cycles)
-        tokens, counts = self.out_tokens[:cycles], self.out_counts[:cycles]
-        if not tokens.is_cuda:
-            return tokens.clone(), counts.clone(), None
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens, counts)]
-        for target, source in zip(host, (tokens, counts)):
-            target.copy_(source, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return *host, copied
+        return copy_to_host(self.out_tokens[:cycles], self.out_counts[:cycles])
 
-    collect = staticmethod(DecodeRunner.collect)
+    collect = staticmethod(collected)
 
     @torch.no_grad()
     def generate(self, input_ids, logits, prompt_taps, prompt_positions, first_position, plan, streamer=None):
