@@ -100,24 +100,31 @@ def second_turn(model, image, generator, answer=128, question=30):
     return first, resumed, fresh
 
 
-def save_random_draft(config, folder, generator, draft_vocab_size=32000, intermediate_size=None):
-    """An EAGLE-3 draft for `config`'s text model in the published format (AngelSlim's Qwen3-VL-2B draft config: one
-    Llama layer of the target's width and heads, interleaved M-RoPE, a draft vocabulary with its d2t / t2d maps, the
-    target's embedding shared), random weights, written to `folder`; returns the folder. Token 0 is in the draft
-    vocabulary, so with the heads' norms at zero both models pick it every time (`always_accepting`)."""
+def eagle3_config(config, draft_vocab_size=32000, intermediate_size=None) -> dict:
+    """The `config.json` of an EAGLE-3 draft for `config`'s text model in the published format (AngelSlim's
+    Qwen3-VL-2B draft config: one Llama layer of the target's width and heads, interleaved M-RoPE, a draft vocabulary
+    of `draft_vocab_size`)."""
     text = config.get_text_config(decoder=True)
-    hidden, heads, kv_heads, head_dim = (text.hidden_size, text.num_attention_heads, text.num_key_value_heads,
-                                         text.head_dim)
-    intermediate = intermediate_size or 3 * hidden
     rope = dict(text.rope_parameters if hasattr(text, "rope_parameters") else text.rope_scaling)
-    draft_config = {
+    return {
         "architectures": ["Eagle3LlamaForCausalLM"], "model_type": "llama", "target_model_type": "qwen3_vl",
-        "hidden_size": hidden, "intermediate_size": intermediate, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
-        "rms_norm_eps": text.rms_norm_eps, "vocab_size": text.vocab_size, "draft_vocab_size": draft_vocab_size,
-        "rope_theta": rope.get("rope_theta", 5000000),
+        "hidden_size": text.hidden_size, "intermediate_size": intermediate_size or 3 * text.hidden_size,
+        "num_attention_heads": text.num_attention_heads, "num_key_value_heads": text.num_key_value_heads,
+        "head_dim": text.head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": text.rms_norm_eps,
+        "vocab_size": text.vocab_size, "draft_vocab_size": draft_vocab_size,
+        "rope_theta": rope.get("rope_theta", getattr(text, "rope_theta", None)),
         "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": rope["mrope_section"]},
     }
+
+
+def save_random_draft(config, folder, generator, draft_vocab_size=32000, intermediate_size=None):
+    """An EAGLE-3 draft for `config`'s text model (`eagle3_config`) with random weights and the target's embedding
+    shared, written to `folder`; returns the folder. Token 0 is in the draft vocabulary, so with the heads' norms at
+    zero both models pick it every time."""
+    draft_config = eagle3_config(config, draft_vocab_size, intermediate_size)
+    hidden, heads, kv_heads, head_dim, intermediate = (draft_config[key] for key in (
+        "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"))
+    vocab = draft_config["vocab_size"]
     shapes = {
         "fc.weight": (hidden, 3 * hidden),
         "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
@@ -134,9 +141,9 @@ def save_random_draft(config, folder, generator, draft_vocab_size=32000, interme
     for name in ("midlayer.hidden_norm", "midlayer.input_layernorm", "midlayer.post_attention_layernorm", "norm"):
         tensors[f"{name}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     used = torch.cat([torch.zeros(1, dtype=torch.long),
-                      1 + torch.randperm(text.vocab_size - 1, generator=generator)[: draft_vocab_size - 1]]).sort().values
+                      1 + torch.randperm(vocab - 1, generator=generator)[: draft_vocab_size - 1]]).sort().values
     tensors["d2t"] = used - torch.arange(draft_vocab_size)
-    tensors["t2d"] = torch.zeros(text.vocab_size, dtype=torch.bool)
+    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool)
     tensors["t2d"][used] = True
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
-"""Compiles, without a GPU, every Triton kernel the model launches on each GPU target named on the command line
-(sm80 sm89 sm90 sm100), in every form its kernel tuner offers: the decode steps (greedy at batch sizes 1 to 64, and
-sampled, top-k sampled), a prefill of more tokens than SMs and the vision tower, on the Qwen3-VL-2B's shapes (one
-decoder layer and one vision block: the others launch the same kernels), with bf16 weights and, where the target has
-float8 e4m3 (`takes_e4m3`), FP8 ones. A form is a kernel with one set of on/off switches, pipeline stages and
-argument types, compiled at the first tiling met; `--every-tiling` compiles each tiling and row count (about 400
-variants a target, minutes each).
+"""Compiles, without a GPU, every Triton kernel the model launches on each GPU target named on the command line (sm80
+sm89 sm90 sm100), in every form its kernel tuner offers: the decode steps (greedy at batch sizes 1 to 64, and sampled,
+top-k sampled), a speculative cycle with an EAGLE-3 draft, a prefill of more tokens than SMs and the vision tower, on
+the Qwen3-VL-2B's shapes (one decoder layer and one vision block: the others launch the same kernels), with bf16
+weights and, where the target has float8 e4m3 (`takes_e4m3`), FP8 ones. A form is a kernel with one set of on/off
+switches, pipeline stages and argument types, compiled at the first tiling met; `--every-tiling` compiles each tiling
+and row count (about 400 variants a target, minutes each).
 
 The engine runs on CPU tensors while kernels compile ahead (`compiling_ahead`: the tuner runs every candidate and
 times none); each launch compiles for the target instead, with programmatic dependent launch where the target has it
@@ -27,11 +27,13 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration, engine_qwen3vl_graph
+from qwen3vl_static.draft_qwen3vl_graph import DraftSpec, Eagle3Draft
 from qwen3vl_static.engine_qwen3vl_graph import GraphEngine
 from qwen3vl_static.fp8_quantize import quantize_fp8
 from qwen3vl_static.ops_qwen3vl_graph import TritonOps
 from qwen3vl_static.presets import real_config
 from qwen3vl_static.triton_qwen3vl_graph import compiling_ahead, takes_e4m3, takes_pdl
+from qwen3vl_static.workloads import eagle3_config
 
 # Compute capability, shared memory a block may take (bytes), SM counts of the GPUs users run (the skinny matmul's K
 # split follows them).
@@ -132,8 +134,15 @@ def run_steps(model, fp8_kernels: bool) -> None:
                            lambda device, dtype, allow, tuner: TritonOps(tuner, fp8_kernels=fp8_kernels)):
         engine = GraphEngine(model, bucketed=True)
     decode, prefill, vision = engine.runners
+    # A speculative cycle with a draft of the published format: its layer's kernels (no QK-norm) and the acceptance.
+    with torch.device("cpu"):
+        config = {**eagle3_config(model.config), "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]}}
+        draft = Eagle3Draft(DraftSpec.from_config(config, model.config), model.get_input_embeddings()).to(torch.bfloat16)
+    speculative = engine.use_draft(draft, 4)
+    draft.prepare(engine.ops, engine.cache.capacity + 4, decode.text.rotary_emb, decode.rotary_components)
     # The sampling modes launch the same kernels at every batch size.
-    keys = [(decode, key) for key in decode.warmup_keys(BATCH_SIZES, [512], ("greedy",))]
+    keys = [(speculative, (512, "greedy"))]
+    keys += [(decode, key) for key in decode.warmup_keys(BATCH_SIZES, [512], ("greedy",))]
     keys += [(decode, key) for key in decode.warmup_keys([1], [512], ("sample", "sample_top_k"))]
     keys += [(prefill, key) for key in prefill.warmup_keys([1], [256])]  # more tokens than SMs
     keys += [(vision, key) for key in vision.warmup_keys([256], [1])]
