@@ -100,10 +100,10 @@ def second_turn(model, image, generator, answer=128, question=30):
     return first, resumed, fresh
 
 
-def eagle3_config(config, draft_vocab_size=32000, intermediate_size=None) -> dict:
+def eagle3_config(config, draft_vocab_size=32000, intermediate_size=None, layer_ids=None) -> dict:
     """The `config.json` of an EAGLE-3 draft for `config`'s text model in the published format (AngelSlim's
     Qwen3-VL-2B draft config: one Llama layer of the target's width and heads, interleaved M-RoPE, a draft vocabulary
-    of `draft_vocab_size`)."""
+    of `draft_vocab_size`; `layer_ids`: the target layers it reads, where not the default three)."""
     text = config.get_text_config(decoder=True)
     rope = dict(text.rope_parameters if hasattr(text, "rope_parameters") else text.rope_scaling)
     return {
@@ -114,14 +114,15 @@ def eagle3_config(config, draft_vocab_size=32000, intermediate_size=None) -> dic
         "vocab_size": text.vocab_size, "draft_vocab_size": draft_vocab_size,
         "rope_theta": rope.get("rope_theta", getattr(text, "rope_theta", None)),
         "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": rope["mrope_section"]},
+        **({"eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}} if layer_ids else {}),
     }
 
 
-def save_random_draft(config, folder, generator, draft_vocab_size=32000, intermediate_size=None):
+def save_random_draft(config, folder, generator, draft_vocab_size=32000, intermediate_size=None, layer_ids=None):
     """An EAGLE-3 draft for `config`'s text model (`eagle3_config`) with random weights and the target's embedding
     shared, written to `folder`; returns the folder. Token 0 is in the draft vocabulary, so with the heads' norms at
     zero both models pick it every time."""
-    draft_config = eagle3_config(config, draft_vocab_size, intermediate_size)
+    draft_config = eagle3_config(config, draft_vocab_size, intermediate_size, layer_ids)
     hidden, heads, kv_heads, head_dim, intermediate = (draft_config[key] for key in (
         "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"))
     vocab = draft_config["vocab_size"]

@@ -136,8 +136,8 @@ def run_steps(model, fp8_kernels: bool) -> None:
     decode, prefill, vision = engine.runners
     # A speculative cycle with a draft of the published format: its layer's kernels (no QK-norm) and the acceptance.
     with torch.device("cpu"):
-        config = {**eagle3_config(model.config), "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]}}
-        draft = Eagle3Draft(DraftSpec.from_config(config, model.config), model.get_input_embeddings()).to(torch.bfloat16)
+        spec = DraftSpec.from_config(eagle3_config(model.config, layer_ids=[0, 0, 0]), model.config)
+        draft = Eagle3Draft(spec, model.get_input_embeddings()).to(torch.bfloat16)
     speculative = engine.use_draft(draft, 4)
     draft.prepare(engine.ops, engine.cache.capacity + 4, decode.text.rotary_emb, decode.rotary_components)
     # The sampling modes launch the same kernels at every batch size.
