@@ -233,14 +233,14 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         them in one target step (speculative decoding): greedy output is the same tokens, sampled output is drawn from
         the same distribution (the standard rejection rule), in fewer steps when the draft is often right. Other calls
         run the plain loop (a one-line notice says why). `use_draft(None)` detaches it."""
-        if not 1 <= num_draft_tokens <= 15:
-            raise ValueError(f"num_draft_tokens must be within 1..15, got {num_draft_tokens}")
+        _check_draft_tokens(num_draft_tokens)  # before the download
         draft = load_draft(path_or_repo_id, self, **hub_kwargs)
         self.use_draft(draft, num_draft_tokens)
         return draft
 
     def use_draft(self, draft, num_draft_tokens: int = 4) -> None:
         """Propose with `draft` (what `load_draft` returns; None: no speculative decoding)."""
+        _check_draft_tokens(num_draft_tokens)
         # Outside the module tree: the model's own checkpoint keeps the stock layout.
         object.__setattr__(self, "_draft", draft)
         self._num_draft_tokens = num_draft_tokens
@@ -518,6 +518,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         plan = device_plan(logits_processor, stopping_criteria, generation_config)
         scores = raw_logits = None
         speculating = self._draft is not None and self._speculation_blocker(plan, input_ids, model_kwargs, start) is None
+        self.speculative_stats = {}
         if speculating:
             runner = engine.speculative
             sequences, kept = runner.generate(
@@ -590,6 +591,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
             logits = self._engine.prefill.run(new, attention_mask, positions, modality, visual, deepstack, padded,
                                               start, rows=rows)
         return logits, positions
+
+
+def _check_draft_tokens(count) -> None:
+    """A chain of 1 to 15 proposals: the verify step's K + 1 rows and the draft's query rows stay within 16."""
+    if not 1 <= count <= 15:
+        raise ValueError(f"num_draft_tokens must be within 1..15, got {count}")
 
 
 def _ours_around(stock, cls, config):

@@ -110,6 +110,7 @@ def test_calls_it_does_not_cover_run_the_plain_loop_with_a_notice(pair, draft_di
         ours.load_draft(draft_dir, num_draft_tokens=2)
         got = ours.generate(**batch, do_sample=False, max_new_tokens=6)
         assert got.tolist() == stock.generate(**batch, do_sample=False, max_new_tokens=6).tolist()
+        assert ours.speculative_stats == {}  # the plain loop ran
         ours.generate(**tiny_inputs(*PROMPTS["text"][:1]), do_sample=False, repetition_penalty=1.5, max_new_tokens=3)
     finally:
         ours.use_draft(None)
@@ -122,6 +123,8 @@ def test_num_draft_tokens_is_checked(pair, draft_dir):
     ours, _ = pair
     with pytest.raises(ValueError, match="num_draft_tokens must be within 1..15, got 0"):
         ours.load_draft(draft_dir, num_draft_tokens=0)
+    with pytest.raises(ValueError, match="num_draft_tokens must be within 1..15, got 16"):
+        ours.use_draft(ScriptedDraft(torch.zeros(1, 8, dtype=torch.long)), 16)
     assert ours._draft is None
 
 
