@@ -230,8 +230,9 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         with a ValueError naming what differs, before anything is attached.
 
         From then on `generate` of one unpadded prompt proposes `num_draft_tokens` tokens a cycle with it and checks
-        them in one target step (speculative decoding): greedy output is the same tokens, sampled output is drawn from
-        the same distribution (the standard rejection rule), in fewer steps when the draft is often right. Other calls
+        them in one target step (speculative decoding): every kept token is the model's own greedy choice (in 16-bit
+        the K + 1-row step may settle a near-tie otherwise than the one-row step), or drawn from the same distribution
+        (the standard rejection rule), in fewer steps when the draft is often right. Other calls
         run the plain loop (a one-line notice says why). `use_draft(None)` detaches it."""
         _check_draft_tokens(num_draft_tokens)  # before the download
         draft = load_draft(path_or_repo_id, self, **hub_kwargs)
