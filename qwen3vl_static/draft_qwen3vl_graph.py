@@ -188,6 +188,9 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.ones(spec.vocab_size, dtype=torch.bool))
         self.ops = self.rotary_emb = self.rotary_components = None  # `prepare`'s
         self.qkv = self.gate_up = self.keys = self.values = None
+        # The target cache's record of the tokens whose slots this draft's K/V holds (set by the speculative loop after
+        # a turn; a later turn passing that cache back continues from them), or None.
+        self.conversation = None
 
     def prepare(self, ops, slots: int, rotary_emb, rotary_components=None) -> None:
         """Run the steps with `ops` (an op set of ops_qwen3vl_graph.py) over a K/V cache of at least `slots` slots
@@ -263,6 +266,7 @@ class Eagle3Draft(nn.Module):
         slots, concatenated) with `tokens` `(1, n)`, the token at each next slot; `positions` `(3, 1, n)` are the
         slots' M-RoPE positions. What the draft held from `start` on (the previous chain) is replaced."""
         n = tokens.shape[1]
+        self.conversation = None  # its slots now hold this call's
         kv_len = start + n + count - 1  # the chain's last slot included
         slots = torch.arange(start, start + n, device=tokens.device)
         positions = positions.transpose(1, 2)

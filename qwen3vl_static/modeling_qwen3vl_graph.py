@@ -524,7 +524,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
             runner = engine.speculative
             sequences, kept = runner.generate(
                 input_ids, logits, engine.prefill.taps, positions,
-                first_decode_positions(self, model_kwargs, positions, input_ids.shape[1]), plan, streamer)
+                first_decode_positions(self, model_kwargs, positions, input_ids.shape[1]), plan, streamer, start)
             self.speculative_stats = {"num_draft_tokens": runner.k, "kept_per_cycle": kept}
         elif plan is None:
             sequences, scores, raw_logits = host_loop(engine.decode, input_ids, logits, logits_processor,
@@ -534,6 +534,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         sequences = sequences.to(input_ids.device)
         cache.set_length(sequences.shape[1] - 1)  # the last token is never fed back
         cache.tokens = sequences[:, :-1].clone()
+        if speculating:  # the draft's cache holds this conversation's slots: a later turn continues them
+            self._draft.conversation = cache.tokens
         if streamer is not None:
             streamer.end()
         if generation_config.return_dict_in_generate:
@@ -547,8 +549,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
             reason = "logits processors or stopping criteria the device loop does not cover"
         elif input_ids.shape[0] != 1:
             reason = f"a batch of {input_ids.shape[0]} prompts"
-        elif start:
-            reason = "a later turn continuing the cache (the draft holds no earlier turn)"
+        elif start and getattr(self._draft, "conversation", None) is not self._engine.cache.tokens:
+            reason = "a later turn whose earlier turns the draft did not run (its cache does not hold them)"
         elif model_kwargs.get("attention_mask") is not None and not bool(model_kwargs["attention_mask"].all()):
             reason = "a padded prompt"
         elif plan["max_length"] + self._num_draft_tokens > self._engine.cache.capacity:

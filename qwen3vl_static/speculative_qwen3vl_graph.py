@@ -125,12 +125,14 @@ class SpeculativeRunner(GraphRunner):
     collect = staticmethod(collected)
 
     @torch.no_grad()
-    def generate(self, input_ids, logits, prompt_taps, prompt_positions, first_position, plan, streamer=None):
+    def generate(self, input_ids, logits, prompt_taps, prompt_positions, first_position, plan, streamer=None,
+                 start: int = 0):
         """The tokens after the prompt `input_ids` `(1, n)` as `plan` (`device_plan`'s: greedy or sampling settings,
         max length, EOS ids) asks, from its prefill's float32 `logits` `(1, vocab)` and the draft's layers' outputs
-        `prompt_taps` `(n, 3 * hidden)` at its M-RoPE `prompt_positions` `(3, 1, n)`; the first generated token sits
-        at `first_position` `(3, 1, 1)`. Returns the sequence (prompt and new tokens) on the host and the tokens kept
-        per cycle."""
+        `prompt_taps` `(n - start, 3 * hidden)` at its M-RoPE `prompt_positions` `(3, 1, n - start)` of the prompt's
+        slots from `start` on (a later turn: the draft's cache holds the ones before, from the turns it ran); the
+        first generated token sits at `first_position` `(3, 1, 1)`. Returns the sequence (prompt and new tokens) on the
+        host and the tokens kept per cycle."""
         verify, k, draft, mode = self.verify, self.k, self.draft, plan["mode"]
         prompt_len, max_new_tokens = input_ids.shape[1], plan["max_length"] - input_ids.shape[1]
         verify.set_row_sampling(slice(None), plan["temperature"], plan["top_k"], plan["top_p"], plan["min_p"])
@@ -145,8 +147,8 @@ class SpeculativeRunner(GraphRunner):
         # The draft's cache gets the prompt's slots (the chain writes up to K - 1 past a cycle's verified ones); its
         # first chain follows.
         draft.prepare(verify.ops, verify.cache.capacity + k, verify.text.rotary_emb, verify.rotary_components)
-        slots = torch.arange(prompt_len, device=input_ids.device)
-        tokens = torch.cat([input_ids[0, 1:], first_token])
+        slots = torch.arange(start, prompt_len, device=input_ids.device)
+        tokens = torch.cat([input_ids[0, start + 1:], first_token])
         hidden, normed = draft.extend(tokens, prompt_taps, prompt_positions.transpose(1, 2), slots, prompt_len)
         proposals = draft.chain(hidden[-1:], normed[-1:], first_position.view(3, 1, 1), slots[-1:] + 1,
                                 prompt_len + k - 1, k)

@@ -1,15 +1,18 @@
-"""Speculative greedy decoding inside `generate` (the loop `SpeculativeRunner` captures as one graph per cycle, run
-eagerly here): token for token stock greedy output whatever the draft proposes (CPU, fp32), the reference loop's
-acceptance with a real draft, stops, and the plain loop (with its notice) wherever it does not apply."""
+"""Speculative decoding inside `generate` (the loop `SpeculativeRunner` captures as one graph per cycle, run eagerly
+here): token for token stock greedy output whatever the draft proposes (CPU, fp32), the reference loop's acceptance
+with a real draft, stops, later turns, sampled answers distributed as the target's, and the plain loop (with its
+notice) wherever it does not apply."""
 
 import pytest
 import torch
 
-from conftest import new_pair
+from conftest import chat, new_pair
+from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG, returned_cache
 from qwen3vl_static.draft_qwen3vl_graph import speculative_greedy
 from qwen3vl_static.presets import TINY_VOCAB, tiny_inputs
-from test_sampling_distribution import SIGNIFICANCE, chi_square_quantile
 from test_draft import PROMPTS, save_draft, tiny_draft_tensors
+from test_multi_turn import next_turn
+from test_sampling_distribution import SIGNIFICANCE, chi_square_quantile
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +177,37 @@ def test_sampled_answers_follow_the_targets_distribution(pair):
     statistic = sum((sum(counts.get(answer, 0) for answer in answers) - p * draws) ** 2 / (p * draws)
                     for answers, p in cells if p > 0)
     assert statistic <= chi_square_quantile(1 - SIGNIFICANCE, len(cells) - 1), (statistic, len(cells))
+
+
+def test_a_later_turn_continues_the_drafts_cache(pair, draft_dir, caplog):
+    """A second turn passing the returned cache back, after a first turn the draft ran: only the new tokens are
+    prefilled, for the model and the draft, and the answer is stock's, reusing its cache or fresh; with a draft right
+    about the second answer, cycles keep every proposal. After a first turn the draft did not run, the plain loop runs
+    the second, with a notice."""
+    ours, stock = pair
+    first_inputs = tiny_inputs([[chat("Describe a cat in one line.")]])
+    greedy = dict(max_new_tokens=8, do_sample=False)
+    expected_first = stock.generate(**first_inputs, **greedy, return_dict_in_generate=True)
+    try:
+        for draft in ("published", "scripted"):
+            if draft == "published":
+                ours.load_draft(draft_dir, num_draft_tokens=3)
+            got_first = ours.generate(**first_inputs, **greedy, return_dict_in_generate=True)
+            assert got_first.sequences.tolist() == expected_first.sequences.tolist()
+            resumed, fresh = next_turn(first_inputs, got_first.sequences)
+            reused = stock.generate(**resumed, **greedy, **{CACHE_KWARG: returned_cache(expected_first)})
+            if draft == "scripted":  # right about both answers (the first turn is the same call as above)
+                ours.use_draft(ScriptedDraft(stock.generate(**fresh, max_new_tokens=16, do_sample=False)), 3)
+                got_first = ours.generate(**first_inputs, **greedy, return_dict_in_generate=True)
+            got = ours.generate(**resumed, **greedy, **{CACHE_KWARG: returned_cache(got_first)})
+            assert got.tolist() == reused.tolist() == stock.generate(**fresh, **greedy).tolist()
+            assert sum(ours.speculative_stats["kept_per_cycle"]) == got.shape[1] - resumed["input_ids"].shape[1] - 1
+        assert max(ours.speculative_stats["kept_per_cycle"]) == 4
+        ours.use_draft(None)
+        got_first = ours.generate(**first_inputs, **greedy, return_dict_in_generate=True)
+        ours.load_draft(draft_dir, num_draft_tokens=3)
+        got = ours.generate(**resumed, **greedy, **{CACHE_KWARG: returned_cache(got_first)})
+        assert got.tolist() == reused.tolist() and ours.speculative_stats == {}
+    finally:
+        ours.use_draft(None)
+    assert "a later turn whose earlier turns the draft did not run" in caplog.text
