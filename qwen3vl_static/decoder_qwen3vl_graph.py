@@ -124,6 +124,13 @@ class TextWeights:
                 parameter.data = view
 
 
+def recording(layer_ids, outputs) -> tuple:
+    """`decoder_layers`' `record` pairs that write the outputs of layers `layer_ids` side by side into `outputs`
+    `(tokens, len(layer_ids) * hidden)`."""
+    width = outputs.shape[1] // max(len(layer_ids), 1)
+    return tuple((layer, outputs[:, i * width:(i + 1) * width]) for i, layer in enumerate(layer_ids))
+
+
 def decoder_layers(ops, layers, keys, values, hidden, x, attend, deepstack=(), record=()) -> torch.Tensor:
     """The decoder layers over the residual stream `hidden` `(tokens, hidden)`, whose first RMSNorm is `x`; returns the
     final norm of the result. `attend(layer, keys, values, x)` is a layer's attention `(tokens, Hq * D)` (it writes the

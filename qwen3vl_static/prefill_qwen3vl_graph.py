@@ -40,7 +40,7 @@ A prompt larger than the graph budget runs the same function eagerly at its exac
 import torch
 import torch.nn.functional as F
 
-from .decoder_qwen3vl_graph import decoder_layers
+from .decoder_qwen3vl_graph import decoder_layers, recording
 from .runner_qwen3vl_graph import GraphRunner, bucket_of
 
 
@@ -84,6 +84,7 @@ class PrefillRunner(GraphRunner):
         self.last = buffer(1)
         self.logits = buffer(cache.rows if self.bucketed else 0, text.lm_head.shape[0], dtype=torch.float32)
         self.recorded_layers = ()  # layers whose outputs an EAGLE-3 draft reads (`record_layers`)
+        self._taps = self.visual.new_zeros(self.max_tokens, 0)  # their outputs, per bucket token
         self.taps = None  # their outputs for every prompt token of the last `run`, side by side `(tokens, n * hidden)`
 
     def record_layers(self, layer_ids) -> None:
@@ -94,11 +95,6 @@ class PrefillRunner(GraphRunner):
             self.recorded_layers = layer_ids
             self._taps = self.visual.new_zeros(self.max_tokens, len(layer_ids) * self.visual.shape[1])
             self.graphs = {}
-
-    def _record(self, taps) -> tuple:
-        """(layer, buffer) pairs writing the recorded layers' outputs side by side into `taps` `(tokens, n * hidden)`."""
-        width = self.visual.shape[1]
-        return tuple((layer, taps[:, i * width:(i + 1) * width]) for i, layer in enumerate(self.recorded_layers))
 
     def run(self, input_ids, attention_mask, positions, modality, visual=None, deepstack=(), padded=True, start: int = 0,
             rows=None):
@@ -128,7 +124,7 @@ class PrefillRunner(GraphRunner):
                            for value in (start, length - 1))
             taps = self.visual.new_empty(batch * length, len(self.recorded_layers) * self.visual.shape[1])
             logits = self.forward(input_ids, positions, attendable, modality, visual, deepstack, first, last, rows,
-                                  masked, self._record(taps))
+                                  masked, recording(self.recorded_layers, taps))
             self.taps = taps if self.recorded_layers else None
             return logits
         self.cache_rows[:batch] = rows
@@ -184,7 +180,7 @@ class PrefillRunner(GraphRunner):
             self.input_ids[:tokens].view(rows, size), self.positions[:, :tokens].view(3, rows, size),
             self.attendable[:rows, :kv_slots], self.modality[:tokens].view(rows, size),
             self.visual, self.deepstack, self.start, self.last, self.cache_rows[:rows], masked,
-            self._record(self._taps[:tokens]) if self.recorded_layers else (),
+            recording(self.recorded_layers, self._taps[:tokens]),
         )
 
     def describe(self, key) -> str:

@@ -35,6 +35,7 @@ from collections import deque
 import torch
 
 from .decode_qwen3vl_graph import DecodeRunner
+from .decoder_qwen3vl_graph import recording
 from .loops_qwen3vl_graph import first_tokens
 from .ops_accept_qwen3vl_graph import CycleState
 from .runner_qwen3vl_graph import GraphRunner, bucket_of, collected, copy_to_host
@@ -55,7 +56,7 @@ class SpeculativeRunner(GraphRunner):
         self.cycles_per_sync = max(1, decode.steps_per_sync // 2)
         self.order = torch.arange(k + 1, device=device)
         self.taps = torch.zeros(k + 1, len(draft.layer_ids) * hidden, dtype=cache.full_keys[0].dtype, device=device)
-        self.record = tuple((layer, self.taps[:, i * hidden:(i + 1) * hidden]) for i, layer in enumerate(draft.layer_ids))
+        self.record = recording(draft.layer_ids, self.taps)
         self.proposals = torch.zeros(k, dtype=torch.long, device=device)
         self.prompt_len = torch.zeros((), dtype=torch.long, device=device)
         self.first_position = torch.zeros(3, 1, dtype=torch.long, device=device)  # M-RoPE position of slot prompt_len
@@ -187,11 +188,13 @@ class SpeculativeRunner(GraphRunner):
             rows, counts = self.collect(handle)
             if not counts.any():  # every cycle finished: the host must have seen its stop
                 raise RuntimeError("The speculative loop's cycles stopped before the host saw EOS or max_new_tokens.")
+            stopped = False
             for row, count in zip(rows.tolist(), counts.tolist()):
                 if count:
                     kept.append(count)
                     sequence += row[:count]
+                    stopped = stopped or not eos.isdisjoint(row[:count])  # the device cut the cycle after it
                     if streamer is not None:
                         streamer.put(torch.tensor(row[:count]))
-            if len(sequence) - prompt_len >= max_new_tokens or eos & set(sequence[prompt_len + 1:]):
+            if stopped or len(sequence) - prompt_len >= max_new_tokens:
                 return torch.tensor([sequence]), kept

@@ -118,16 +118,14 @@ def eagle3_config(config, draft_vocab_size=32000, intermediate_size=None, layer_
     }
 
 
-def save_random_draft(config, folder, generator, draft_vocab_size=32000, intermediate_size=None, layer_ids=None):
-    """An EAGLE-3 draft for `config`'s text model (`eagle3_config`) with random weights and the target's embedding
-    shared, written to `folder`; returns the folder. Token 0 is in the draft vocabulary, so with the heads' norms at
-    zero both models pick it every time."""
-    draft_config = eagle3_config(config, draft_vocab_size, intermediate_size, layer_ids)
-    hidden, heads, kv_heads, head_dim, intermediate = (draft_config[key] for key in (
-        "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"))
-    vocab = draft_config["vocab_size"]
-    shapes = {
-        "fc.weight": (hidden, 3 * hidden),
+def eagle3_matrix_shapes(draft_config: dict) -> dict:
+    """The shape of each matrix of an EAGLE-3 draft's `model.safetensors` under its published name, from its
+    `config.json` (the norms, the vocabulary maps and an own embedding aside)."""
+    hidden, heads, kv_heads, intermediate = (draft_config[key] for key in (
+        "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"))
+    head_dim = draft_config.get("head_dim") or hidden // heads
+    return {
+        "fc.weight": (hidden, 3 * draft_config.get("target_hidden_size", hidden)),
         "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
         "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
         "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
@@ -135,10 +133,18 @@ def save_random_draft(config, folder, generator, draft_vocab_size=32000, interme
         "midlayer.mlp.gate_proj.weight": (intermediate, hidden),
         "midlayer.mlp.up_proj.weight": (intermediate, hidden),
         "midlayer.mlp.down_proj.weight": (hidden, intermediate),
-        "lm_head.weight": (draft_vocab_size, hidden),
+        "lm_head.weight": (draft_config.get("draft_vocab_size") or draft_config["vocab_size"], hidden),
     }
+
+
+def save_random_draft(config, folder, generator, draft_vocab_size=32000, intermediate_size=None, layer_ids=None):
+    """An EAGLE-3 draft for `config`'s text model (`eagle3_config`) with random weights and the target's embedding
+    shared, written to `folder`; returns the folder. Token 0 is in the draft vocabulary, so with the heads' norms at
+    zero both models pick it every time."""
+    draft_config = eagle3_config(config, draft_vocab_size, intermediate_size, layer_ids)
+    hidden, vocab = draft_config["hidden_size"], draft_config["vocab_size"]
     tensors = {name: (torch.randn(shape, generator=generator) / shape[1] ** 0.5).bfloat16()
-               for name, shape in shapes.items()}
+               for name, shape in eagle3_matrix_shapes(draft_config).items()}
     for name in ("midlayer.hidden_norm", "midlayer.input_layernorm", "midlayer.post_attention_layernorm", "norm"):
         tensors[f"{name}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     used = torch.cat([torch.zeros(1, dtype=torch.long),

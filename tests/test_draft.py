@@ -12,6 +12,7 @@ from conftest import chat, image, new_pair
 from qwen3vl_static.draft_qwen3vl_graph import DraftSpec, speculative_greedy
 from qwen3vl_static.ops_qwen3vl_graph import TorchOps
 from qwen3vl_static.presets import TINY_VOCAB, real_config, tiny_inputs
+from qwen3vl_static.workloads import eagle3_matrix_shapes
 
 # AngelSlim's training config of the Qwen3-VL-2B-Instruct draft, as published
 # (Tencent/AngelSlim: angelslim/compressor/speculative/train/configs/qwen3-vl-2b-eagle3-mrope.json).
@@ -61,18 +62,8 @@ def tiny_draft_config(**changes):
 def tiny_draft_tensors(seed=0, embed=True):
     """Random tensors under the published names and shapes, in bfloat16 as published; norms at 1."""
     generator = torch.Generator().manual_seed(seed)
-    shapes = {
-        "fc.weight": (HIDDEN, 3 * HIDDEN),
-        "midlayer.self_attn.q_proj.weight": (HEADS * HEAD_DIM, 2 * HIDDEN),
-        "midlayer.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, 2 * HIDDEN),
-        "midlayer.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, 2 * HIDDEN),
-        "midlayer.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
-        "midlayer.mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN),
-        "midlayer.mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
-        "midlayer.mlp.down_proj.weight": (HIDDEN, INTERMEDIATE),
-        "lm_head.weight": (DRAFT_VOCAB, HIDDEN),
-        **({"embed_tokens.weight": (TINY_VOCAB, HIDDEN)} if embed else {}),
-    }
+    shapes = {**eagle3_matrix_shapes(tiny_draft_config()),
+              **({"embed_tokens.weight": (TINY_VOCAB, HIDDEN)} if embed else {})}
     tensors = {name: (0.2 * torch.randn(shape, generator=generator)).bfloat16() for name, shape in shapes.items()}
     for name in ("midlayer.hidden_norm", "midlayer.input_layernorm", "midlayer.post_attention_layernorm", "norm"):
         tensors[f"{name}.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
