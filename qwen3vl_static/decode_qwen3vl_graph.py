@@ -198,10 +198,7 @@ class DecodeRunner(GraphRunner):
         batch = self.batch_size
         return copy_to_host(self.out_tokens[:batch, :steps], self.out_unfinished[:batch, :steps])
 
-    @staticmethod
-    def collect(handle):
-        """Wait for an issued chunk; its tokens and unfinished flags on the host, `(b, steps)` each."""
-        return collected(handle)
+    collect = staticmethod(collected)  # waits for an issued chunk: its tokens and unfinished flags, `(b, steps)` each
 
     def _advance(self, mode: str, steps: int) -> None:
         rows = bucket_of(self.batch_buckets, self.batch_size)

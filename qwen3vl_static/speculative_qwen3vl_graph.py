@@ -57,7 +57,7 @@ class SpeculativeRunner(GraphRunner):
         self.order = torch.arange(k + 1, device=device)
         self.taps = torch.zeros(k + 1, len(draft.layer_ids) * hidden, dtype=cache.full_keys[0].dtype, device=device)
         self.record = recording(draft.layer_ids, self.taps)
-        self.proposals = torch.zeros(k, dtype=torch.long, device=device)
+        self.proposals = self.verify.input_ids[1:, 0]  # the rows after the pending token's: a view
         self.prompt_len = torch.zeros((), dtype=torch.long, device=device)
         self.first_position = torch.zeros(3, 1, dtype=torch.long, device=device)  # M-RoPE position of slot prompt_len
         self.produced = torch.zeros((), dtype=torch.long, device=device)
@@ -84,7 +84,6 @@ class SpeculativeRunner(GraphRunner):
         proposals = self.propose(kv_len, predicted, self.accepted.kept, self.accepted.start)
         # The next cycle's rows: the pending token (`accept` wrote it), then the proposals.
         self.proposals.copy_(proposals)
-        self.verify.input_ids[1:, 0] = proposals
 
     def verify_and_accept(self, kv_len: int, mode: str):
         """Steps 1 and 2: the target's tokens after each row `(K + 1,)` (a `MODES` mode of the decode runner: greedy or
@@ -108,8 +107,7 @@ class SpeculativeRunner(GraphRunner):
 
     def state(self) -> tuple:
         verify = self.verify
-        return (verify.input_ids, verify.cache_lens, verify.positions, self.proposals, self.produced, self.alive,
-                self.chunk_cycle)
+        return verify.input_ids, verify.cache_lens, verify.positions, self.produced, self.alive, self.chunk_cycle
 
     def describe(self, key) -> str:
         return f"speculative cycle ({self.k} draft tokens, {key[0]} cache slots, {key[1]})"
@@ -158,7 +156,6 @@ class SpeculativeRunner(GraphRunner):
         verify.eos_ids.fill_(-1)
         verify.eos_ids[: len(eos)] = torch.tensor(sorted(eos), dtype=torch.long)
         verify.input_ids[:, 0] = torch.cat([first_token, proposals])
-        self.proposals.copy_(proposals)
         self.prompt_len.fill_(prompt_len)
         self.first_position.copy_(first_position.view(3, 1))
         slots = prompt_len + self.order
