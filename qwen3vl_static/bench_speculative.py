@@ -63,14 +63,12 @@ def part_times(model, k: int, kv_len: int) -> dict:
     """The cycle's parts, each captured as a graph of its own and replayed: verify (with acceptance), draft, cycle."""
     engine = model._engine
     runner, capturer = engine.speculative, engine.capturer
-    predicted, kept = torch.zeros(k + 1, dtype=torch.long, device="cuda"), torch.zeros((), dtype=torch.long,
-                                                                                      device="cuda")
-    start = runner.verify.cache_lens[:1].clone()
+    predicted = torch.zeros(k + 1, dtype=torch.long, device="cuda")
     runner.chunk_cycle.zero_()  # the captures' warm-up cycles write their outputs from there on
     graphs = {
         "verify_ms": capturer.capture(lambda: runner.verify_and_accept(kv_len, "greedy"), runner.state(),
                                        name="verify"),
-        "draft_ms": capturer.capture(lambda: runner.propose(kv_len, predicted, kept, start), name="draft"),
+        "draft_ms": capturer.capture(lambda: runner.propose(kv_len, predicted), name="draft"),
         "cycle_ms": runner.graph((kv_len, "greedy")),
     }
     return {name: replay_ms(graph, runner.state(), runner.chunk_cycle, runner.cycles_per_sync)

@@ -50,6 +50,11 @@ def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return 1, num_layers // 2 - 1, num_layers - 4
 
 
+def table_rows(rotary, rows):
+    """Rows `rows` (a slice) of rotary tables `rotary` (a tuple of `(n, D)` tables): views."""
+    return tuple(table[rows] for table in rotary)
+
+
 @dataclass(frozen=True)
 class DraftSpec:
     """The sizes and settings of a draft, from its `config.json`, checked against the target's text config."""
@@ -215,16 +220,26 @@ class Eagle3Draft(nn.Module):
             self.attendable = torch.ones(16, slots, dtype=torch.bool, device=weight.device)
             self.cache_rows = torch.zeros(16, dtype=torch.long, device=weight.device)
 
-    def layer(self, tokens, hidden, positions, slots, kv_len: int):
-        """The decoder layer at cache slots `slots` `(n,)` of M-RoPE `positions` `(3, n, 1)`: `hidden` `(n, hidden)`
+    def rotary_tables(self, positions, slots):
+        """The rotary tables of the draft's slots `slots` `(n,)` at M-RoPE `positions` `(3, n, 1)`, as the op set's
+        `decode_rotary` returns them (one row per slot: a cycle computes all its slots' in one launch, each step takes
+        its rows)."""
+        n = slots.shape[0]
+        if not self.spec.mrope:  # 1-D RoPE: by cache slot
+            positions = slots.view(1, n, 1).expand(3, n, 1)
+        like = self.fc.weight.new_empty(n, 0)  # the tables' rows, dtype and device
+        return self.ops.decode_rotary(self.rotary_emb, like, positions, self.rotary_components)
+
+    def layer(self, tokens, hidden, rotary, slots, kv_len: int):
+        """The decoder layer at cache slots `slots` `(n,)` with their `rotary_tables` `rotary`: `hidden` `(n, hidden)`
         with `tokens` `(n,)`, the token at each next slot. Returns the new hidden states and their final norm."""
         ops, spec, layer = self.ops, self.spec, self.midlayer
         n, eps = tokens.shape[0], spec.rms_norm_eps
-        if not spec.mrope:  # 1-D RoPE: by cache slot
-            positions = slots.view(1, n, 1).expand(3, n, 1)
-        rotary = ops.decode_rotary(self.rotary_emb, hidden, positions, self.rotary_components)
-        _, embeds = ops.embed_rms_norm(tokens, self.embed_tokens.weight, layer.input_layernorm.weight, eps)
-        wide = torch.cat([embeds, ops.rms_norm(hidden, layer.hidden_norm.weight, eps)], dim=-1)
+        # [norm(embedding), norm(hidden)], each norm written into its half
+        wide = hidden.new_empty(n, 2 * spec.hidden_size)
+        ops.embed_rms_norm(tokens, self.embed_tokens.weight, layer.input_layernorm.weight, eps,
+                           out=wide[:, : spec.hidden_size])
+        ops.rms_norm(hidden, layer.hidden_norm.weight, eps, out=wide[:, spec.hidden_size:])
         if n > self.attendable.shape[0]:  # a prompt's slots (eager, outside the graphs)
             self.attendable = torch.ones(n, self.keys.shape[2], dtype=torch.bool, device=hidden.device)
             self.cache_rows = torch.zeros(n, dtype=torch.long, device=hidden.device)
@@ -236,27 +251,38 @@ class Eagle3Draft(nn.Module):
         return ops.linear_add_rms_norm(ops.linear_swiglu(x, self.gate_up), layer.mlp.down_proj.weight, None, hidden,
                                        self.norm.weight, eps)
 
-    def extend(self, tokens, features, positions, slots, kv_len: int):
+    def extend(self, tokens, features, rotary, slots, kv_len: int):
         """The layer over the target's `features` `(n, 3 * target hidden)` (its layers' outputs at `slots`,
         concatenated): the hidden states `(n, hidden)` to propose from and their final norm."""
-        return self.layer(tokens, self.ops.linear(features.to(self.fc.weight.dtype), self.fc.weight), positions, slots,
+        return self.layer(tokens, self.ops.linear(features.to(self.fc.weight.dtype), self.fc.weight), rotary, slots,
                           kv_len)
 
-    def next_token(self, normed):
-        """The target ids `(n,)` the draft's head picks after final-normed hidden states `normed` `(n, hidden)`."""
-        draft_id = self.ops.linear(normed, self.lm_head.weight).argmax(dim=-1)
-        return draft_id + self.d2t[draft_id]
+    def next_token(self, normed, out):
+        """The target ids the draft's head picks after final-normed hidden states `normed` `(n, hidden)`, written to
+        `out` `(n,)`."""
+        return self.ops.argmax(self.ops.linear(normed, self.lm_head.weight), self.d2t, out)
 
-    def chain(self, hidden, normed, position, slot, kv_len: int, count: int):
-        """`count` target ids `(count,)` proposed one after another from `hidden` `(1, hidden)` (`normed`: its final
-        norm); the chain's own slots are `slot` `(1,)` on (M-RoPE `position` `(3, 1, 1)` on), each attending to the
-        first `kv_len`."""
-        proposals = []
-        for step in range(count):
-            proposals.append(self.next_token(normed))
-            if step + 1 < count:
-                hidden, normed = self.layer(proposals[-1], hidden, position + step, slot + step, kv_len)
-        return torch.cat(proposals)
+    def chain(self, hidden, normed, rotary, slots, kv_len: int, out):
+        """Target ids proposed one after another from `hidden` `(1, hidden)` (`normed`: its final norm), written to
+        `out` `(count,)`; the chain's own slots are `slots` `(count - 1,)` (`rotary`: their tables), each attending
+        to the first `kv_len`."""
+        for step in range(out.shape[0]):
+            token = self.next_token(normed, out[step:step + 1])
+            if step + 1 < out.shape[0]:
+                rows = slice(step, step + 1)
+                hidden, normed = self.layer(token, hidden, table_rows(rotary, rows), slots[rows], kv_len)
+        return out
+
+    def extend_and_chain(self, tokens, features, positions, slots, chain_position, count: int, kv_len: int):
+        """Eagerly: the layer over the target's `features` `(n, 3 * hidden)` at `slots` `(n,)` (M-RoPE `positions`
+        `(3, n, 1)`) with `tokens` `(n,)`, then a chain of `count` proposals `(count,)` from the last, its slots one
+        apart after it from M-RoPE `chain_position` `(3, 1, 1)` on, all attending to the first `kv_len` slots."""
+        n, steps = slots.shape[0], torch.arange(1, count, device=slots.device)
+        all_slots = torch.cat([slots, slots[-1] + steps])
+        rotary = self.rotary_tables(torch.cat([positions, chain_position + steps.view(1, -1, 1) - 1], dim=1), all_slots)
+        hidden, normed = self.extend(tokens, features, table_rows(rotary, slice(0, n)), slots, kv_len)
+        out = torch.empty(count, dtype=torch.long, device=slots.device)
+        return self.chain(hidden[-1:], normed[-1:], table_rows(rotary, slice(n, None)), all_slots[n:], kv_len, out)
 
     @torch.no_grad()
     def propose(self, start: int, tokens, features, positions, count: int) -> torch.Tensor:
@@ -264,14 +290,14 @@ class Eagle3Draft(nn.Module):
 
         The draft's slots `start`.. get the target's `features` `(1, n, 3 * hidden)` (its layers' outputs at those
         slots, concatenated) with `tokens` `(1, n)`, the token at each next slot; `positions` `(3, 1, n)` are the
-        slots' M-RoPE positions. What the draft held from `start` on (the previous chain) is replaced."""
+        slots' M-RoPE positions, the chain's follow one apart. What the draft held from `start` on (the previous chain)
+        is replaced."""
         n = tokens.shape[1]
         self.conversation = None  # its slots now hold this call's
-        kv_len = start + n + count - 1  # the chain's last slot included
         slots = torch.arange(start, start + n, device=tokens.device)
         positions = positions.transpose(1, 2)
-        hidden, normed = self.extend(tokens[0], features[0], positions, slots, kv_len)
-        return self.chain(hidden[-1:], normed[-1:], positions[:, -1:] + 1, slots[-1:] + 1, kv_len, count)[None]
+        return self.extend_and_chain(tokens[0], features[0], positions, slots, positions[:, -1:] + 1, count,
+                                     start + n + count - 1)[None]
 
     def load_checkpoint(self, state: dict) -> None:
         """Take the checkpoint's tensors (converted to this module's dtype and device); a ValueError names missing,

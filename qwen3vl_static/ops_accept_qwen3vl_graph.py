@@ -39,15 +39,18 @@ class CycleState(NamedTuple):
     input_ids: torch.Tensor  # (K + 1, 1) their tokens (row 0 gets the next pending token here)
     first_position: torch.Tensor  # (3, 1) M-RoPE position of slot `prompt_len`
     prompt_len: torch.Tensor  # ()
-    start: torch.Tensor  # (1,) out: the slot of this cycle's first verify row
     kept: torch.Tensor  # () out: proposals kept
+    # out: the draft's 2K slots and their M-RoPE positions `(3, 2K, 1)`: this cycle's K + 1 verified ones, then the
+    # K - 1 its next chain writes (after the last kept token's)
+    draft_slots: torch.Tensor
+    draft_positions: torch.Tensor
 
 
 def accept_reference(predicted, state: CycleState) -> None:
     """Given the target's tokens after each verify row `predicted` `(K + 1,)`: the proposals kept are the longest
     prefix equal to the target's; the cycle outputs them and the target's next token, cut after the first EOS id and
-    at `max_new` (none once stopped). Records them in the chunk's row, counts them, and moves the verify rows to the
-    slots after them (the first row's token: the last output)."""
+    at `max_new` (none once stopped). Records them in the chunk's row, counts them, moves the verify rows to the
+    slots after them (the first row's token: the last output) and gives the draft its slots."""
     k = state.proposals.shape[0]
     order = torch.arange(k + 1, device=predicted.device)
     kept = (state.proposals == predicted[:k]).long().cumprod(dim=0).sum()
@@ -59,20 +62,28 @@ def accept_reference(predicted, state: CycleState) -> None:
     state.chunk_cycle.add_(1)
     state.produced.add_(count[0])
     state.alive.logical_and_(~stops.any() & (state.produced < state.max_new))
-    state.start.copy_(state.cache_lens[:1])
+    start = state.cache_lens[:1].clone()
     state.kept.copy_(kept)
     state.input_ids[:1, 0] = predicted.index_select(0, (count - 1).clamp(min=0))
-    slots = state.start + count + order
+
+    def positions(slots):
+        return (state.first_position + (slots - state.prompt_len)).unsqueeze(2)
+
+    slots = start + count + order
     state.cache_lens.copy_(slots)
-    state.positions.copy_((state.first_position + (slots - state.prompt_len)).unsqueeze(2))
+    state.positions.copy_(positions(slots))
+    draft_slots = torch.cat([start + order, start + kept + 1 + order[: k - 1]])
+    state.draft_slots.copy_(draft_slots)
+    state.draft_positions.copy_(positions(draft_slots))
 
 
 if triton is not None:
 
     @triton.jit
     def _accept_kernel(predicted, proposals, eos_ids, produced, max_new, alive, chunk_cycle, out_tokens, out_counts,
-                       cache_lens, positions, input_ids, first_position, prompt_len, start_out, kept_out,
-                       K: tl.constexpr, BLOCK: tl.constexpr, EOS: tl.constexpr):
+                       cache_lens, positions, input_ids, first_position, prompt_len, kept_out, draft_slots,
+                       draft_positions, K: tl.constexpr, BLOCK: tl.constexpr, DRAFT_BLOCK: tl.constexpr,
+                       EOS: tl.constexpr):
         """`accept_reference` in one program: rows 0..K of a BLOCK-wide vector."""
         i = tl.arange(0, BLOCK)
         rows = i <= K
@@ -92,15 +103,19 @@ if triton is not None:
         tl.store(produced, done + count)
         tl.store(alive, (was_alive != 0) & (first_stop == BLOCK) & (done + count < limit))
         start = tl.load(cache_lens)
-        tl.store(start_out, start)
         tl.store(kept_out, kept.to(tl.int64))
         tl.store(input_ids, tl.sum(tl.where(i == tl.maximum(count - 1, 0), p, 0), axis=0))
         slots = start + count + i
         tl.store(cache_lens + i, slots, mask=rows)
+        j = tl.arange(0, DRAFT_BLOCK)
+        drafted = j < 2 * K
+        chain_slots = start + tl.where(j <= K, j, kept + j - K)
+        tl.store(draft_slots + j, chain_slots, mask=drafted)
         offset = tl.load(prompt_len)
         for component in tl.static_range(3):
-            tl.store(positions + component * (K + 1) + i, tl.load(first_position + component) + slots - offset,
-                     mask=rows)
+            first = tl.load(first_position + component) - offset
+            tl.store(positions + component * (K + 1) + i, first + slots, mask=rows)
+            tl.store(draft_positions + component * (2 * K) + j, first + chain_slots, mask=drafted)
 
 
 def accept(predicted, state: CycleState) -> None:
@@ -108,5 +123,6 @@ def accept(predicted, state: CycleState) -> None:
     k = state.proposals.shape[0]
     launch(_accept_kernel, (1,), predicted, state.proposals, state.eos_ids, state.produced, state.max_new, state.alive,
            state.chunk_cycle, state.out_tokens, state.out_counts, state.cache_lens, state.positions, state.input_ids,
-           state.first_position, state.prompt_len, state.start, state.kept,
-           K=k, BLOCK=triton.next_power_of_2(k + 1), EOS=state.eos_ids.shape[0])
+           state.first_position, state.prompt_len, state.kept, state.draft_slots, state.draft_positions,
+           K=k, BLOCK=triton.next_power_of_2(k + 1), DRAFT_BLOCK=triton.next_power_of_2(2 * k),
+           EOS=state.eos_ids.shape[0])

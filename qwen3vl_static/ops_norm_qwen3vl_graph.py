@@ -25,15 +25,18 @@ import torch.nn.functional as F
 from .triton_qwen3vl_graph import _wait_then_release, launch, tl, triton
 
 
-def rms_norm_reference(x, weight, eps):
-    """Stock `Qwen3VLTextRMSNorm` (float32 statistics) as one kernel; the scale is applied before rounding."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+def rms_norm_reference(x, weight, eps, out=None):
+    """Stock `Qwen3VLTextRMSNorm` (float32 statistics) as one kernel; the scale is applied before rounding. `out`: where
+    to write it (rows may be strided: a column range of a wider buffer), or None."""
+    normed = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return normed if out is None else out.copy_(normed)
 
 
-def embed_rms_norm_reference(ids, table, weight, eps):
-    """The embeddings of token `ids` `(rows,)` (rows of `table`), then their RMSNorm: returns (embeddings, normed)."""
+def embed_rms_norm_reference(ids, table, weight, eps, out=None):
+    """The embeddings of token `ids` `(rows,)` (rows of `table`), then their RMSNorm (written to `out` as
+    `rms_norm_reference` does): returns (embeddings, normed)."""
     hidden = F.embedding(ids, table)
-    return hidden, rms_norm_reference(hidden, weight, eps)
+    return hidden, rms_norm_reference(hidden, weight, eps, out)
 
 
 def add_rms_norm_reference(hidden, delta, weight, eps):
@@ -70,8 +73,9 @@ if triton is not None:
         return total.to(dtype).to(tl.float32)
 
     @triton.jit
-    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, n_cols, eps, splits, split_stride, ids,
-                             HAS_DELTA: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _add_rms_norm_kernel(hidden, delta, weight, sum_out, norm_out, stride_norm_out, n_cols, eps, splits,
+                             split_stride, ids, HAS_DELTA: tl.constexpr, GATHER: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
         """RMSNorm of each row of `hidden` (HAS_DELTA: of `hidden + delta`, the sum stored to `sum_out`); GATHER: of row
         `ids[row]` of `hidden` (an embedding table), the gathered row stored to `sum_out`."""
         row = tl.program_id(0)
@@ -90,7 +94,7 @@ if triton is not None:
             delta_x = _load_summed(delta, row * n_cols + cols, keep, splits, split_stride, x.dtype, "")
             x = (x.to(tl.float32) + delta_x).to(x.dtype)
             tl.store(sum_out + row * n_cols + cols, x, mask=keep)
-        _store_rms_norm(x, cols, keep, w, norm_out + row * n_cols, n_cols, eps)
+        _store_rms_norm(x, cols, keep, w, norm_out + row * stride_norm_out, n_cols, eps)
 
     @triton.jit
     def _add_layer_norm_kernel(hidden, delta, weight, bias, sum_out, norm_out, n_cols, eps, BLOCK: tl.constexpr):
@@ -111,21 +115,22 @@ else:
     _store_rms_norm = _load_summed = None
 
 
-def rms_norm(x, weight, eps):
-    """`rms_norm_reference` in one launch."""
-    out = torch.empty_like(x)
-    launch(_add_rms_norm_kernel, (x.shape[0],), x, x, weight, x, out, x.shape[1], eps, 1, 0, x, HAS_DELTA=False,
-           GATHER=False, BLOCK=triton.next_power_of_2(x.shape[1]))
+def rms_norm(x, weight, eps, out=None):
+    """`rms_norm_reference` in one launch (`out`'s columns contiguous)."""
+    out = torch.empty_like(x) if out is None else out
+    launch(_add_rms_norm_kernel, (x.shape[0],), x, x, weight, x, out, out.stride(0), x.shape[1], eps, 1, 0, x,
+           HAS_DELTA=False, GATHER=False, BLOCK=triton.next_power_of_2(x.shape[1]))
     return out
 
 
-def embed_rms_norm(ids, table, weight, eps):
+def embed_rms_norm(ids, table, weight, eps, out=None):
     """`embed_rms_norm_reference` in one launch: the gather inside the norm's launch, so the step's first kernel is
     one of the PDL chain, not torch's."""
     ids, (rows, width) = ids.contiguous(), (ids.shape[0], table.shape[1])  # the runner's ids are: no copy
-    hidden, out = torch.empty(2, rows, width, dtype=table.dtype, device=table.device)
-    launch(_add_rms_norm_kernel, (rows,), table, table, weight, hidden, out, width, eps, 1, 0, ids, HAS_DELTA=False,
-           GATHER=True, BLOCK=triton.next_power_of_2(width))
+    hidden, normed = torch.empty(2, rows, width, dtype=table.dtype, device=table.device)
+    out = normed if out is None else out
+    launch(_add_rms_norm_kernel, (rows,), table, table, weight, hidden, out, out.stride(0), width, eps, 1, 0, ids,
+           HAS_DELTA=False, GATHER=True, BLOCK=triton.next_power_of_2(width))
     return hidden, out
 
 
@@ -133,8 +138,8 @@ def add_rms_norm(hidden, delta, weight, eps):
     """`add_rms_norm_reference` in one launch. `delta` is the projection's output, or its float32 partial products
     `(splits, rows, N)` (`skinny_matmul(..., partials=True)`), summed and rounded here."""
     total, out = torch.empty_like(hidden), torch.empty_like(hidden)
-    launch(_add_rms_norm_kernel, (hidden.shape[0],), hidden, delta, weight, total, out, hidden.shape[1], eps,
-           delta.numel() // hidden.numel(), hidden.numel(), hidden, HAS_DELTA=True, GATHER=False,
+    launch(_add_rms_norm_kernel, (hidden.shape[0],), hidden, delta, weight, total, out, out.stride(0), hidden.shape[1],
+           eps, delta.numel() // hidden.numel(), hidden.numel(), hidden, HAS_DELTA=True, GATHER=False,
            BLOCK=triton.next_power_of_2(hidden.shape[1]))
     return total, out
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from transformers.utils import logging
 
 from .ops_accept_qwen3vl_graph import accept, accept_reference
+from .ops_argmax_qwen3vl_graph import argmax, argmax_reference
 from .ops_attention_qwen3vl_graph import (
     attention_context,
     attention_context_reference,
@@ -100,6 +101,7 @@ class TorchOps:
     advance = staticmethod(advance)
     finish_step = staticmethod(finish_step_reference)
     accept = staticmethod(accept_reference)
+    argmax = staticmethod(argmax_reference)
     sample = staticmethod(sample_tokens)
     add_layer_norm = staticmethod(add_layer_norm_reference)
     linear_gelu_tanh = staticmethod(linear_gelu_tanh_reference)
@@ -288,6 +290,10 @@ class TritonOps(TorchOps):
         attendable, cache_rows = context
         q = self.qkv_norm_rope_write(x, qkv_weight, heads, qk_norms, rotary, keys, values, cache_rows, cache_lens)
         return decode_attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, scale)
+
+    def argmax(self, logits, offsets=None, out=None):
+        """`argmax_reference` in one launch."""
+        return argmax(logits, offsets, out, self.ticket(logits.device))
 
     def decode_rotary(self, rotary_emb, hidden, positions, components):
         """One launch for the dozen small kernels of the stock module, where `rotary_components` read them off it."""

@@ -18,6 +18,7 @@ instead of a dozen.
 
 import torch
 
+from .ops_argmax_qwen3vl_graph import BLOCK, PARTS, part_argmax, pick_from_parts
 from .triton_qwen3vl_graph import _wait_then_release, launch, tl, triton
 
 
@@ -61,19 +62,9 @@ if triton is not None:
         _wait_then_release(PDL)
         if ARGMAX:
             row, part = tl.program_id(0), tl.program_id(1)
-            width = tl.cdiv(tl.cdiv(n_vocab, PARTS), BLOCK) * BLOCK
-            # Per lane, the largest value and its first index; then the first index of the largest over lanes.
-            best = tl.full((BLOCK,), float("-inf"), tl.float32)
-            best_index = tl.zeros((BLOCK,), tl.int32)
-            for start in range(part * width, part * width + width, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                x = tl.load(logits + row * stride_logits + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
-                better = x > best
-                best = tl.where(better, x, best)
-                best_index = tl.where(better, cols, best_index)
-            top = tl.max(best, axis=0)
+            top, index = part_argmax(logits + row * stride_logits, n_vocab, part, PARTS, BLOCK)
             tl.store(part_value + row * PARTS + part, top)
-            tl.store(part_index + row * PARTS + part, tl.min(tl.where(best == top, best_index, n_vocab), axis=0))
+            tl.store(part_index + row * PARTS + part, index)
             # The barrier puts this program's stores before the ticket's release; the last program's acquire puts
             # every program's stores before its reads (which bypass L1).
             tl.debug_barrier()
@@ -84,11 +75,7 @@ if triton is not None:
             row_ids = tl.arange(0, ROWS_PAD)
             real = row_ids < rows
             if ARGMAX:
-                parts = row_ids[:, None] * PARTS + tl.arange(0, PARTS)[None, :]
-                values = tl.load(part_value + parts, mask=real[:, None], other=float("-inf"), cache_modifier=".cg")
-                indices = tl.load(part_index + parts, mask=real[:, None], other=0, cache_modifier=".cg")
-                row_top = tl.max(values, axis=1)
-                token = tl.min(tl.where(values == row_top[:, None], indices, n_vocab), axis=1).to(tl.int64)
+                token = pick_from_parts(part_value, part_index, row_ids, real, n_vocab, PARTS)
                 tl.store(ticket, 0)  # ready for the next launch
             else:
                 token = tl.load(tokens + row_ids, mask=real, other=0)
@@ -116,13 +103,13 @@ def finish_step(logits, tokens, unfinished, pad_id, eos_ids, input_ids, out_toke
     last program finds itself by."""
     rows, vocab = logits.shape
     greedy = tokens is None
-    parts = 64 if greedy else 1  # of the vocabulary per row: the argmax reads it with many SMs
+    parts = PARTS if greedy else 1
     part_value = torch.empty(rows * parts, dtype=torch.float32, device=logits.device)
     part_index = torch.empty(rows * parts, dtype=torch.int32, device=logits.device)
     launch(_finish_step_kernel, (rows if greedy else 1, parts),
         logits, vocab, logits.stride(0), part_value, part_index, logits if greedy else tokens, unfinished, pad_id,
         eos_ids, input_ids, input_ids.stride(0), out_tokens, out_tokens.stride(0), out_unfinished,
         out_unfinished.stride(0), chunk_step, ticket, rows, cache_lens, positions,
-        positions.stride(0), ARGMAX=greedy, PARTS=parts, BLOCK=1024,
+        positions.stride(0), ARGMAX=greedy, PARTS=parts, BLOCK=BLOCK,
         ROWS_PAD=max(2, triton.next_power_of_2(rows)), EOS_IDS=len(eos_ids), EOS_PAD=triton.next_power_of_2(len(eos_ids)),
     )

@@ -36,6 +36,7 @@ import torch
 
 from .decode_qwen3vl_graph import DecodeRunner
 from .decoder_qwen3vl_graph import recording
+from .draft_qwen3vl_graph import table_rows
 from .loops_qwen3vl_graph import first_tokens
 from .ops_accept_qwen3vl_graph import CycleState
 from .runner_qwen3vl_graph import GraphRunner, bucket_of, collected, copy_to_host
@@ -44,7 +45,8 @@ from .runner_qwen3vl_graph import GraphRunner, bucket_of, collected, copy_to_hos
 class SpeculativeRunner(GraphRunner):
     def __init__(self, decode: DecodeRunner, draft, num_draft_tokens: int):
         """`decode`: the engine's decode runner (its weights, cache, ops and buckets); `draft`: an `Eagle3Draft` or
-        anything with its `layer_ids`, `prepare`, `extend` and `chain`."""
+        anything with its `layer_ids`, `prepare`, `rotary_tables`, `extend`, `chain` and
+        `extend_and_chain`."""
         super().__init__(decode.capturer, decode.use_graphs, decode.can_use_graphs)
         k = num_draft_tokens
         cache = decode.cache
@@ -70,8 +72,9 @@ class SpeculativeRunner(GraphRunner):
         self.accepted = CycleState(
             self.proposals, verify.eos_ids, self.produced, self.max_new, self.alive, self.chunk_cycle,
             self.out_tokens, self.out_counts, verify.cache_lens, verify.positions, verify.input_ids,
-            self.first_position, self.prompt_len, start=torch.zeros(1, dtype=torch.long, device=device),
-            kept=torch.zeros((), dtype=torch.long, device=device))
+            self.first_position, self.prompt_len, kept=torch.zeros((), dtype=torch.long, device=device),
+            draft_slots=torch.zeros(2 * k, dtype=torch.long, device=device),
+            draft_positions=torch.zeros(3, 2 * k, 1, dtype=torch.long, device=device))
 
     def positions(self, slots):
         """M-RoPE positions `(3, n, 1)` of generated slots `slots` `(n,)`: one apart from the first."""
@@ -80,30 +83,30 @@ class SpeculativeRunner(GraphRunner):
     # -- the cycle -----------------------------------------------------------------------------------------
 
     def step(self, kv_len: int, mode: str) -> None:
-        predicted = self.verify_and_accept(kv_len, mode)
-        proposals = self.propose(kv_len, predicted, self.accepted.kept, self.accepted.start)
-        # The next cycle's rows: the pending token (`accept` wrote it), then the proposals.
-        self.proposals.copy_(proposals)
+        # The next cycle's rows: the pending token (`accept` writes it), then the proposals (the draft writes them).
+        self.propose(kv_len, self.verify_and_accept(kv_len, mode))
 
     def verify_and_accept(self, kv_len: int, mode: str):
         """Steps 1 and 2: the target's tokens after each row `(K + 1,)` (a `MODES` mode of the decode runner: greedy or
         drawn); what the cycle keeps and outputs is recorded and the rows move past it (`ops.accept`)."""
         verify, rows = self.verify, self.k + 1
         logits = verify.forward(rows, kv_len, self.record)
-        predicted = first_tokens(verify, logits, mode, slice(0, rows))
+        predicted = verify.ops.argmax(logits) if mode == "greedy" else first_tokens(verify, logits, mode, slice(0, rows))
         verify.ops.accept(predicted, self.accepted)
         return predicted
 
-    def propose(self, kv_len: int, predicted, kept, start):
-        """Step 3: the draft over the verified slots from `start` `(1,)` (the target's `predicted` tokens are the
-        tokens at their next slots), then its K proposals after the `kept`-th."""
-        k, draft = self.k, self.draft
-        slots = start + self.order
-        hidden, normed = draft.extend(predicted, self.taps, self.positions(slots), slots, kv_len + k)
-        last = kept.view(1)
-        chain_slot = start + last + 1
-        return draft.chain(hidden.index_select(0, last), normed.index_select(0, last), self.positions(chain_slot),
-                           chain_slot, kv_len + k, k)
+    def propose(self, kv_len: int, predicted):
+        """Step 3: the draft over the verified slots (the target's `predicted` tokens are the tokens at their next
+        slots), then its K proposals after the last kept token, into the next cycle's rows. Its slots, positions and
+        the count kept are the acceptance's; their rotary tables take one launch."""
+        k, draft, state = self.k, self.draft, self.accepted
+        rotary = draft.rotary_tables(state.draft_positions, state.draft_slots)
+        verified, chained = slice(0, k + 1), slice(k + 1, 2 * k)
+        hidden, normed = draft.extend(predicted, self.taps, table_rows(rotary, verified), state.draft_slots[verified],
+                                      kv_len + k)
+        last = state.kept.view(1)
+        draft.chain(hidden.index_select(0, last), normed.index_select(0, last), table_rows(rotary, chained),
+                    state.draft_slots[chained], kv_len + k, self.proposals)
 
     def state(self) -> tuple:
         verify = self.verify
@@ -148,9 +151,8 @@ class SpeculativeRunner(GraphRunner):
         draft.prepare(verify.ops, verify.cache.capacity + k, verify.text.rotary_emb, verify.rotary_components)
         slots = torch.arange(start, prompt_len, device=input_ids.device)
         tokens = torch.cat([input_ids[0, start + 1:], first_token])
-        hidden, normed = draft.extend(tokens, prompt_taps, prompt_positions.transpose(1, 2), slots, prompt_len)
-        proposals = draft.chain(hidden[-1:], normed[-1:], first_position.view(3, 1, 1), slots[-1:] + 1,
-                                prompt_len + k - 1, k)
+        proposals = draft.extend_and_chain(tokens, prompt_taps, prompt_positions.transpose(1, 2), slots,
+                                           first_position.view(3, 1, 1), k, prompt_len + k - 1)
         verify.idle()
         verify.cache_rows.zero_()  # every row reads and writes the request's cache row
         verify.eos_ids.fill_(-1)

@@ -225,7 +225,7 @@ def test_draft_layer_is_the_published_llama_layer(pair, draft_dir):
     tokens = torch.randint(0, TINY_VOCAB, (n,), generator=generator)
     hidden = torch.randn(n, HIDDEN, generator=generator)
     positions = torch.tensor([[0, 1, 2, 3, 3, 3, 7], [0, 1, 2, 3, 3, 4, 7], [0, 1, 2, 3, 4, 4, 7]])[:, :, None]
-    got, normed = draft.layer(tokens, hidden, positions, torch.arange(n), n)
+    got, normed = draft.layer(tokens, hidden, draft.rotary_tables(positions, torch.arange(n)), torch.arange(n), n)
 
     layer, eps = draft.midlayer, draft.spec.rms_norm_eps
 

@@ -20,7 +20,8 @@ def state(k, proposals, produced, max_new, alive, eos, start=40, cycle=1):
         out_counts=torch.full((4,), -7, dtype=torch.long, device=DEVICE),
         cache_lens=start + torch.arange(k + 1, device=DEVICE), positions=torch.full((3, k + 1, 1), -7, device=DEVICE),
         input_ids=torch.full((k + 1, 1), -7, device=DEVICE), first_position=tensor([[30], [31], [32]]),
-        prompt_len=tensor(25), start=tensor([-7]), kept=tensor(-7))
+        prompt_len=tensor(25), kept=tensor(-7), draft_slots=torch.full((2 * k,), -7, device=DEVICE),
+        draft_positions=torch.full((3, 2 * k, 1), -7, device=DEVICE))
 
 
 @pytest.mark.parametrize("k", [1, 4, 7])
@@ -58,3 +59,8 @@ def test_accept_matches_the_reference(k, case):
     assert count == expected and int(reference.produced) == produced + count
     assert bool(reference.alive) == (case not in ("eos-inside", "limit-inside", "stopped"))
     assert reference.cache_lens.tolist() == [40 + count + i for i in range(k + 1)]
+    kept = {"some-kept": k // 2, "none-kept": 0, "eos-after-the-kept": 0}.get(case, k)
+    # the draft's slots: the cycle's verified ones, then its chain's after the last kept token
+    assert reference.draft_slots.tolist() == [40 + i for i in range(k + 1)] + [40 + kept + 1 + i for i in range(k - 1)]
+    assert reference.draft_positions[:, :, 0].tolist() == [[first - 25 + slot for slot in reference.draft_slots.tolist()]
+                                                          for first in (30, 31, 32)]

@@ -38,17 +38,29 @@ class ScriptedDraft:
     def prepare(self, ops, slots, rotary_emb, rotary_components=None):
         pass
 
-    def extend(self, tokens, features, positions, slots, kv_len):
-        n, width = tokens.shape[0], features.shape[1] // 3
-        assert features.shape == (n, 3 * width) and positions.shape == (3, n, 1) and slots.shape == (n,)
-        return features[:, :width], features[:, :width]
+    def rotary_tables(self, positions, slots):
+        assert positions.shape == (3, slots.shape[0], 1)
+        return (positions[0, :, 0],)
 
-    def chain(self, hidden, normed, position, slot, kv_len, count):
-        assert hidden.shape[0] == normed.shape[0] == 1 and position.shape == (3, 1, 1) and slot.shape == (1,)
-        proposals = self.expected[slot + 1 + torch.arange(count, device=slot.device)].clone()
+    def extend(self, tokens, features, rotary, slots, kv_len):
+        """Its hidden state at a slot: the slot itself (the chain reads it from the row the cycle keeps)."""
+        n = tokens.shape[0]
+        assert features.shape[0] == n and features.shape[1] % 3 == 0 and rotary[0].shape == slots.shape == (n,)
+        return slots[:, None], slots[:, None]
+
+    def chain(self, hidden, normed, rotary, slots, kv_len, out):
+        count = out.shape[0]
+        assert hidden.shape == normed.shape == (1, 1) and rotary[0].shape == slots.shape == (count - 1,)
+        proposals = self.expected[hidden[0, 0] + 2 + torch.arange(count, device=out.device)]
         if self.miss is not None:
             proposals[self.miss] = (proposals[self.miss] + 1) % TINY_VOCAB
-        return proposals
+        return out.copy_(proposals)
+
+    def extend_and_chain(self, tokens, features, positions, slots, chain_position, count, kv_len):
+        hidden, normed = self.extend(tokens, features, self.rotary_tables(positions, slots), slots, kv_len)
+        chained = slots[-1] + torch.arange(1, count, device=slots.device)
+        out = torch.empty(count, dtype=torch.long, device=slots.device)
+        return self.chain(hidden[-1:], normed[-1:], (chained,), chained, kv_len, out)
 
 
 def expected_kept(new: int, k: int, kept: int) -> list:

@@ -19,7 +19,8 @@ from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
 # The files that define Triton kernels.
 KERNEL_MODULES = ["triton_qwen3vl_graph", "ops_norm_qwen3vl_graph", "ops_rotary_qwen3vl_graph",
                   "ops_attention_qwen3vl_graph", "ops_matmul_qwen3vl_graph", "ops_fp8_matmul_qwen3vl_graph",
-                  "ops_sample_qwen3vl_graph", "ops_step_end_qwen3vl_graph", "ops_accept_qwen3vl_graph"]
+                  "ops_sample_qwen3vl_graph", "ops_step_end_qwen3vl_graph", "ops_accept_qwen3vl_graph",
+                  "ops_argmax_qwen3vl_graph"]
 
 
 @needs_triton
