@@ -62,6 +62,7 @@ from .capture_qwen3vl_graph import GraphCapturer  # noqa: F401
 from .decode_qwen3vl_graph import DecodeRunner  # noqa: F401
 from .decoder_qwen3vl_graph import TextWeights  # noqa: F401
 from .ops_accept_qwen3vl_graph import accept  # noqa: F401
+from .ops_argmax_qwen3vl_graph import argmax  # noqa: F401
 from .ops_attention_qwen3vl_graph import decode_attention  # noqa: F401
 from .ops_fp8_matmul_qwen3vl_graph import fp8_matmul  # noqa: F401
 from .ops_matmul_qwen3vl_graph import skinny_matmul  # noqa: F401
