@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -64,16 +63,9 @@ def bench_processor(model: str = "2b"):
     return ImageChatProcessor(real_ids_tokenizer(model), image_processor)
 
 
-def bench_model(model: str):
-    """The bench's model, built in the server's engine process."""
-    built = build_ours(torch.device("cuda"), torch.bfloat16, model)
-    generate_exactly_as_asked(built)
-    return built
-
-
 def server_main(argv=None) -> None:
-    """The server's process: `serve` on the bench model until SIGTERM (with `--profile`, the HTTP process's threads'
-    stacks sampled meanwhile)."""
+    """The server's process: `serve` on the bench model until SIGTERM (with `--profile`, its threads' stacks sampled
+    meanwhile)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="2b")
@@ -81,8 +73,10 @@ def server_main(argv=None) -> None:
     args = parser.parse_args(argv)
     from .server import serve
 
+    model = build_ours(torch.device("cuda"), torch.bfloat16, args.model)
+    generate_exactly_as_asked(model)
     sampler = StackSampler() if args.profile else None
-    serve(partial(bench_model, args.model), bench_processor(args.model), NAME, port=args.port)
+    serve(model, bench_processor(args.model), NAME, port=args.port)
     if sampler is not None:
         args.profile.write_text(json.dumps(sampler.report(), indent=1))
 

@@ -326,30 +326,21 @@ def _check_serve(args) -> None:
     qwen3vl_config_file(args.model, "MODEL")
 
 
-def load_for_serving(path: str, device: str, cache_len: int | None):
-    """The converted model at `path` on `device` (bfloat16 on CUDA, else float32): what `serve`'s engine process
-    builds."""
-    import torch
-
-    from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
-
-    device = torch.device(device)
-    overrides = {} if cache_len is None else {"static_cache_len": cache_len}
-    return Qwen3VLGraphForConditionalGeneration.from_pretrained(
-        path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
-
-
 def _serve(args) -> int:
-    from functools import partial
+    import torch
 
     from .dataset_runner import load_processor
     from .media import MediaLimits
+    from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
     from .server import ServerLimits, serve
 
+    device = _device(args)
+    overrides = {} if args.cache_len is None else {"static_cache_len": args.cache_len}
+    model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
+        args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
     mib = 2**20
-    serve(partial(load_for_serving, args.model, str(_device(args)), args.cache_len), load_processor(args.model),
-          args.served_model_name or args.model, host=args.host, port=args.port, api_key=args.api_key,
-          max_batch_size=args.slots,
+    serve(model, load_processor(args.model), args.served_model_name or args.model, host=args.host, port=args.port,
+          api_key=args.api_key, max_batch_size=args.slots,
           limits=ServerLimits(max_waiting=args.max_waiting, max_body_bytes=int(args.max_request_mb * mib),
                               max_images=args.max_images),
           media=MediaLimits(max_bytes=int(args.max_image_mb * mib), max_pixels=args.max_image_pixels,

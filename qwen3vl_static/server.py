@@ -3,8 +3,7 @@ the `serve` extra (FastAPI, uvicorn, httpx).
 
 Endpoints (vLLM's shapes): `POST /v1/chat/completions` (text and `image_url` parts, streaming as server-sent events),
 `POST /v1/completions` (a text prompt), `GET /v1/models`, `GET /health`. Every choice of a request is one streaming
-request of the model's continuous-batching manager, which runs in a process of its own (`engine_process.py`), so
-requests join the running batch as they arrive and this process's work never holds up the batch. What can be
+request of the model's continuous-batching manager, so requests join the running batch as they arrive. What can be
 checked before a request enters the batch is (the body, the model name, images, the prompt's and the answer's length
 against a cache row, the queue), and answered with an OpenAI-style error, `{"error": {"message", "type", "param",
 "code"}}`, whose message says what to change. A client that disconnects cancels its choices, freeing their rows; on
@@ -33,7 +32,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from .engine_process import SWITCH_INTERVAL_S, EngineProcess
 from .media import MediaError, MediaLimits, decode_image, fetch_image_data
 
 logger = logging.getLogger(__name__)
@@ -254,19 +252,21 @@ class Job:
 
 
 class OpenAIServer:
-    """The endpoints over one model's continuous-batching manager, run in an `EngineProcess` (`app()`: the FastAPI
-    application)."""
+    """The endpoints over one model's continuous-batching manager (`app()`: the FastAPI application)."""
 
-    def __init__(self, engine: EngineProcess, processor, model_name: str, api_key: str | None = None,
+    def __init__(self, model, processor, model_name: str, api_key: str | None = None, max_batch_size: int | None = None,
                  limits: ServerLimits = ServerLimits(), media: MediaLimits = MediaLimits()):
-        self.manager, self.processor, self.model_name, self.api_key = engine, processor, model_name, api_key
+        self.model, self.processor, self.model_name, self.api_key = model, processor, model_name, api_key
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.limits, self.media = limits, media
+        self.manager = model.init_continuous_batching(max_batch_size=max_batch_size, tokenizer=self.tokenizer)
+        engine = model.graph_engine()
         # A row holds the prompt, the answer and the steps a row may run past its end.
-        self.row_slots, self.reserved = engine.info.row_slots, engine.info.reserved
-        self.max_requests = engine.info.rows + limits.max_waiting
+        self.row_slots, self.reserved = engine.cache.capacity, self.manager.past_end(engine)
+        self.max_requests = engine.cache.rows + limits.max_waiting
         self.in_flight = 0  # choices added to the manager and not yet ended
-        self.eos_ids = engine.info.eos_ids
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self.created = int(time.time())
         self.http = None  # the client that fetches image URLs, open while the app runs
 
@@ -525,19 +525,16 @@ def _choice(chat: bool, index: int, text: str, finish_reason: str | None, delta:
     return {"index": index, "delta" if delta else "message": message, "logprobs": None, "finish_reason": finish_reason}
 
 
-def serve(build_model, processor, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_batch_size: int | None = None, **settings) -> None:
-    """Serve the model `build_model()` returns (a picklable callable, run in the engine's process; `max_batch_size`:
-    the batch's rows, None: sized from memory) until SIGINT / SIGTERM, which drain it (`settings`: `OpenAIServer`'s)."""
+def serve(model, processor, model_name: str, host: str = "127.0.0.1", port: int = 8000, **settings) -> None:
+    """Serve `model` until SIGINT / SIGTERM, which drain it (`settings`: `OpenAIServer`'s)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per image fetched
-    # The event loop must get the interpreter lock back soon while the processor runs in threads.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    tokenizer = getattr(processor, "tokenizer", processor)  # the engine's, for stop strings
-    engine = EngineProcess(build_model, {"max_batch_size": max_batch_size, "tokenizer": tokenizer})
-    app = OpenAIServer(engine, processor, model_name, **settings).app()
+    # The batch's thread must get the GIL back soon after each wait for the GPU while the event loop's thread streams:
+    # Python's default switch interval (5 ms) is two decode steps of a large batch.
+    sys.setswitchinterval(0.0005)
+    app = OpenAIServer(model, processor, model_name, **settings).app()
     # uvicorn drains on SIGINT / SIGTERM, then raises the signal again for the handlers it found; these make that a
     # clean exit.
     for handled in (signal.SIGINT, signal.SIGTERM):
