@@ -275,6 +275,7 @@ class DecodeRunner(GraphRunner):
                 per_step[index] = self.replay_ms(graph, state)
             tuner.step_timings[key] = per_step
             tuner.choices[key] = min((ms, index) for index, ms in enumerate(per_step) if ms is not None)[1]
+            tuner.keep(key)
 
     def replay_ms(self, graph, state, chunks: int = 3) -> float:
         """Milliseconds per replay of a step graph, the fastest of `chunks` chunks of `steps_per_sync` replays back to

@@ -13,11 +13,17 @@
 # limitations under the License.
 """`KernelTuner`: which of an op's candidate forms runs (cuBLAS or unfused kernels, a skinny matmul at some tiling, a
 fused epilogue), measured once per shape and device. Each engine owns one, so two models in a process never share
-choices unseen.
+choices unseen; the choices are also kept on disk (`ChoiceStore`), so a later process on the same GPU, torch, Triton
+and kernels takes them instead of measuring again, as Triton takes its compiled kernels from its disk cache.
 """
 
+import hashlib
+import json
 import math
+import os
 import statistics
+import tempfile
+from pathlib import Path
 
 import torch
 from transformers.utils import logging
@@ -31,6 +37,66 @@ OutOfResources = triton.runtime.errors.OutOfResources if triton is not None else
 
 logger = logging.get_logger(__name__)
 
+# Where the measured choices are kept; set to an empty string to measure in every process.
+CACHE_DIR_VARIABLE = "QWEN3VL_STATIC_CACHE_DIR"
+# The files whose code decides what the candidates are: any change to them starts a new store.
+CANDIDATE_SOURCES = ("ops_*qwen3vl_graph.py", "triton_qwen3vl_graph.py", "tuner_qwen3vl_graph.py")
+
+
+def default_cache_dir() -> Path | None:
+    """`$QWEN3VL_STATIC_CACHE_DIR`, else `~/.cache/qwen3vl_static`; None where the variable is set empty."""
+    value = os.environ.get(CACHE_DIR_VARIABLE)
+    if value is None:
+        return Path.home() / ".cache" / "qwen3vl_static"
+    return Path(value) if value else None
+
+
+def device_identity(device) -> str:
+    """What the timings depend on besides the shape: the GPU, its software, and the candidates' code."""
+    code = hashlib.sha256()
+    for pattern in CANDIDATE_SOURCES:
+        for path in sorted(Path(__file__).parent.glob(pattern)):
+            code.update(path.name.encode() + path.read_bytes())
+    properties = torch.cuda.get_device_properties(device)
+    return (f"{properties.name} sm{properties.major}{properties.minor} torch {torch.__version__} "
+            f"triton {getattr(triton, '__version__', None)} code {code.hexdigest()[:16]}")
+
+
+class ChoiceStore:
+    """The measured choices of one device identity in a JSON file under `folder`: {"op|shape": {"candidates": how many
+    there were, "choice": the index chosen, "timings": µs alone, "step_timings": ms per step where settled there}}.
+    Reading or writing it never fails a call: a problem is logged once and the tuner measures as without it."""
+
+    def __init__(self, folder: Path, identity: str):
+        self.path = folder / "tuner" / f"{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json"
+        self.identity = identity
+        self.entries = self._read()
+
+    def _read(self) -> dict:
+        try:
+            stored = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            logger.warning_once(f"Could not read the stored kernel choices {self.path} ({error}); measuring instead.")
+            return {}
+        return stored.get("choices", {}) if stored.get("identity") == self.identity else {}
+
+    def get(self, op: str, shape: str, candidates: int) -> dict | None:
+        entry = self.entries.get(f"{op}|{shape}")
+        return entry if entry is not None and entry.get("candidates") == candidates else None
+
+    def put(self, op: str, shape: str, entry: dict) -> None:
+        """Keep `entry`, with what other processes stored meanwhile (the file is replaced whole, never half written)."""
+        self.entries = {**self._read(), **self.entries, f"{op}|{shape}": entry}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as file:
+                json.dump({"identity": self.identity, "choices": self.entries}, file)
+            os.replace(file.name, self.path)
+        except OSError as error:
+            logger.warning_once(f"Could not store the measured kernel choices in {self.path} ({error}).")
+
 
 class KernelTuner:
     """The measured choices of one engine, and how they are measured.
@@ -39,19 +105,35 @@ class KernelTuner:
     keys -> each candidate's microseconds (reported by the benchmark); `step_timings`: the keys settled in the whole
     step (`near_ties`) -> each candidate's ms per step (None: not a near tie); `in_step`: the same keys -> candidates
     timed in the step however they time alone (`measured`). Candidates timed alone within `near_tie` of the fastest
-    are timed again in the whole step.
+    are timed again in the whole step. `cache_dir`: where choices are kept between processes (`ChoiceStore`; default
+    `default_cache_dir()`, which the environment can turn off).
     """
 
     # GPU cycles (~0.5 ms) of busy wait before each timed call: longer than the host takes to launch the call's kernels
     # (0.1 ms is too short on an H200: with each kernel launched from the host, a slow host's launches reach the timings).
     SPIN_CYCLES = 1_000_000
 
-    def __init__(self, near_tie: float = 1.10):
+    def __init__(self, near_tie: float = 1.10, cache_dir: Path | None = None):
         self.choices = {}
         self.timings = {}
         self.step_timings = {}
         self.in_step = {}
         self.near_tie = near_tie
+        self.cache_dir = default_cache_dir() if cache_dir is None else cache_dir
+        self.stores = {}  # device -> its ChoiceStore (None: not kept)
+
+    def store(self, device) -> ChoiceStore | None:
+        if device not in self.stores:
+            self.stores[device] = None if self.cache_dir is None else ChoiceStore(self.cache_dir,
+                                                                                 device_identity(device))
+        return self.stores[device]
+
+    def keep(self, key) -> None:
+        """Store `key`'s choice and timings for later processes."""
+        store = self.store(key[2])
+        if store is not None:
+            store.put(key[0], key[1], {"candidates": len(self.timings[key]), "choice": self.choices[key],
+                                       "timings": self.timings[key], "step_timings": self.step_timings.get(key)})
 
     def measured(self, op, shape, device, candidates, in_step=()):
         """Run whichever of `candidates` (calls of no arguments, the first the cuBLAS / unfused one) measured fastest
@@ -72,6 +154,11 @@ class KernelTuner:
             return candidates[-1]()
         key = (op, shape, device)
         choice = self.choices.get(key)
+        if choice is None and (stored := self.stored(key, len(candidates))) is not None:
+            self.timings[key], self.in_step[key] = stored["timings"], in_step
+            if stored["step_timings"] is not None:
+                self.step_timings[key] = stored["step_timings"]
+            choice = self.choices[key] = stored["choice"]
         if choice is None:
             if torch.cuda.is_current_stream_capturing():
                 return candidates[0]()
@@ -80,7 +167,13 @@ class KernelTuner:
             choice = self.choices[key] = times.index(min(times))
             logger.info(f"{op} {shape}: " + ", ".join(f"candidate {index} {us:.1f} us" for index, us in enumerate(times))
                         + f"; using {choice}")
+            self.keep(key)
         return candidates[choice]()
+
+    def stored(self, key, candidates: int) -> dict | None:
+        """What a process before stored for `key` with as many candidates (None: nothing)."""
+        store = self.store(key[2])
+        return None if store is None else store.get(key[0], key[1], candidates)
 
     def near_ties(self, device, rows) -> dict:
         """The measured choices for `rows`-row operands on `device`, not yet settled in the step, whose candidates

@@ -525,6 +525,33 @@ def test_each_model_measures_its_own_kernel_choices():
     assert other.choices[key] == before
 
 
+def test_a_new_engine_takes_the_choices_stored_by_an_earlier_one(tmp_path, monkeypatch):
+    """With a store (`QWEN3VL_STATIC_CACHE_DIR`), a model built later (as in a later process) takes the choices the
+    first one measured, without timing anything, and generates the same tokens."""
+    monkeypatch.setenv("QWEN3VL_STATIC_CACHE_DIR", str(tmp_path))
+
+    def tiny_model():
+        torch.manual_seed(0)
+        config = tiny_config(max_batch_size=2, static_cache_len=256)
+        return Qwen3VLGraphForConditionalGeneration(config).to("cuda", torch.bfloat16).eval()
+
+    ids = torch.randint(0, 100, (1, 20), device="cuda")
+    first, later = tiny_model(), tiny_model()
+    if not isinstance(first.graph_engine().ops, TritonOps):
+        pytest.skip("the torch decode ops make no measured choices")
+    expected = first.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    measured = first.graph_engine().tuner
+    assert measured.choices and list((tmp_path / "tuner").glob("*.json"))
+
+    def unexpected(candidates):
+        raise AssertionError("a stored choice is not measured again")
+
+    monkeypatch.setattr(later.graph_engine().tuner, "time_calls", unexpected)
+    got = later.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert later.graph_engine().tuner.choices == {key: measured.choices[key] for key in later.graph_engine().tuner.choices}
+    assert got.tolist() == expected.tolist()
+
+
 def test_speculative_decoding_graph_equals_eager_and_agrees_with_stock(models, tmp_path):
     """bf16 on the 2B shapes, a 448x448 image prompt, 4 draft tokens a cycle: with a random draft of the published
     format (few proposals kept) and with one proposing the plain loop's own tokens (nearly all kept), the cycle graphs

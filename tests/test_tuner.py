@@ -1,6 +1,9 @@
 """The measured choices (`KernelTuner`), compiling ahead, which op set runs where, and the kernels' sources as
 compiling Triton parses them."""
 
+import json
+import logging
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +17,7 @@ from ops_checks import Torch, Triton, needs_triton, poisoned_empty, randn
 from qwen3vl_static import ops_norm_qwen3vl_graph as norm
 from qwen3vl_static.ops_qwen3vl_graph import TorchOps, TritonOps, make_ops
 from qwen3vl_static.triton_qwen3vl_graph import pdl_capable, triton
+from qwen3vl_static import tuner_qwen3vl_graph as tuner_module
 from qwen3vl_static.tuner_qwen3vl_graph import KernelTuner
 
 # The files that define Triton kernels.
@@ -81,6 +85,59 @@ def test_op_sets_with_their_own_tuners_share_no_choices(monkeypatch):
     assert second.tuner.choices == second.tuner.timings == second.tuner.in_step == second.tuner.step_timings == {}
     assert second.tuner.near_ties(device, 2) == {}
     assert first.tickets is not second.tickets
+
+
+def test_a_later_process_takes_the_stored_choices(tmp_path, monkeypatch, caplog):
+    """Choices measured by one tuner (timing stubbed, on a device that only names the keys) are stored on disk; a new
+    tuner (as in a later process) of the same device identity takes them, settled step timings included, without
+    measuring; a different identity or candidate count measures again; an unreadable store measures and says so."""
+    device = torch.device("cuda", 7)
+    key, settled_key = ("linear", "2x64->32 bfloat16", device), ("linear", "2x64->48 bfloat16", device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(tuner_module, "device_identity", lambda device: "an H200, torch x, triton y, code z")
+    candidates = tuple(lambda index=index: index for index in range(3))
+
+    def unexpected(candidates):
+        raise AssertionError("a stored choice is not measured again")
+
+    first = KernelTuner(cache_dir=tmp_path)
+    first.time_calls = lambda candidates: [2.0, 1.0, math.inf]
+    assert first.measured(*key, candidates) == 1 and first.measured(*settled_key, candidates) == 1
+    first.step_timings[settled_key], first.choices[settled_key] = [0.9, 1.0, None], 0  # as warmup settles it
+    first.keep(settled_key)
+
+    later = KernelTuner(cache_dir=tmp_path)
+    later.time_calls = unexpected
+    assert later.measured(*key, candidates, in_step=(2,)) == 1 and later.measured(*settled_key, candidates) == 0
+    assert later.timings[key] == [2.0, 1.0, math.inf] and later.in_step[key] == (2,)
+    assert later.step_timings == {settled_key: [0.9, 1.0, None]}
+    assert later.near_ties(device, 2) == {key: [1, 2]}  # the settled one is not settled again
+
+    measured = []
+    other = KernelTuner(cache_dir=tmp_path)
+    other.time_calls = lambda candidates: measured.append(len(candidates)) or [1.0] * len(candidates)
+    assert other.measured(*key, candidates[:2]) == 0 and measured == [2]  # the candidates changed
+    monkeypatch.setattr(tuner_module, "device_identity", lambda device: "another GPU")
+    assert KernelTuner(cache_dir=tmp_path).stored(key, 3) is None
+
+    monkeypatch.setattr(tuner_module, "device_identity", lambda device: "an H200, torch x, triton y, code z")
+    store, = (tmp_path / "tuner").glob("*.json")
+    store.write_text("{not json")
+    broken = KernelTuner(cache_dir=tmp_path)
+    broken.time_calls = lambda candidates: [3.0, 1.0, 2.0]
+    with caplog.at_level(logging.WARNING):
+        assert broken.measured(*key, candidates) == 1
+    assert "Could not read the stored kernel choices" in caplog.text
+    assert json.loads(store.read_text())["choices"]["linear|2x64->32 bfloat16"]["choice"] == 1  # written whole again
+
+
+def test_the_store_is_off_when_the_environment_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("QWEN3VL_STATIC_CACHE_DIR", "")
+    assert KernelTuner().cache_dir is None and KernelTuner().store(torch.device("cuda", 7)) is None
+    monkeypatch.setenv("QWEN3VL_STATIC_CACHE_DIR", str(tmp_path))
+    assert KernelTuner().cache_dir == tmp_path
+    monkeypatch.delenv("QWEN3VL_STATIC_CACHE_DIR")
+    assert KernelTuner().cache_dir == Path.home() / ".cache" / "qwen3vl_static"
 
 
 def test_ops_selection():
