@@ -194,8 +194,10 @@ class GraphBatchingManager:
         self._thread = None
         self.error = None  # what ended the batch itself, if anything did
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU, decode
-        # steps, row-steps queued (rows covered x steps) and of them held by a request.
-        self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "host_wait_ms", "steps", "row_steps", "request_steps"), 0)
+        # steps, row-steps queued (rows covered x steps) and of them held by a request, prefill launches and the
+        # requests they admitted.
+        self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "host_wait_ms", "steps", "row_steps", "request_steps",
+                                    "prefills", "admitted"), 0)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -437,6 +439,7 @@ class GraphBatchingManager:
                 chunk.events = (before, _event(), None)
             if chunk is not None:
                 in_flight.append(chunk)
+            self._media_ahead(scheduler, engine.device)
             # One chunk stays queued while the host reads the one before; with nothing new queued, read them all.
             while len(in_flight) > (1 if chunk is not None else 0):
                 self._read(in_flight.popleft(), scheduler, runner)
@@ -472,6 +475,16 @@ class GraphBatchingManager:
                 self._end(sequence, scheduler, RequestStatus.FAILED, "cancelled")
             else:
                 sequence.cancelled = True  # its row frees when the chunks queued for it are read
+
+    def _media_ahead(self, scheduler, device) -> None:
+        """The pixels of the requests next in line (two prefill budgets) copied to the device now, while the GPU runs
+        the work just queued: their prefill then starts with no host copy, so that the decode steps it delays wait
+        less. A request whose pixels cannot be copied fails alone."""
+        for sequence in scheduler.upcoming(2 * self.max_prefill_tokens):
+            try:
+                _media_to(sequence.prompt, device)
+            except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
+                self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
 
     def _prepare(self, output, input_ids, inputs, settings, streaming, engine) -> Sequence:
         """A request as added, checked and resolved on the host: its inputs, its settings against the batch's
@@ -619,6 +632,8 @@ class GraphBatchingManager:
                     except Exception as alone:  # noqa: BLE001
                         engine.decode.release(sequence.row)
                         self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(alone).__name__}: {alone}")
+        self.stats["prefills"] += len(tokens)
+        self.stats["admitted"] += len(went_on)
         if not went_on:
             return [], None
         return went_on, copy_to_host(torch.cat(tokens))
@@ -644,12 +659,14 @@ class GraphBatchingManager:
                 return None
             first.media = None
         else:
+            for sequence in part:  # each prompt's pixels on the device (most went ahead), joined there
+                _media_to(sequence.prompt, device)
             inputs = _joined([sequence.prompt for sequence in part], self.generation_config.pad_token_id)
             length = inputs["input_ids"].shape[1]
             positions = torch.cat([F.pad(sequence.positions, (length - sequence.prompt_len, 0), value=1)
                                    for sequence in part], dim=1)
             padded = any(sequence.prompt_len != length for sequence in part)
-            inputs = {key: _to(value, device) for key, value in inputs.items()}
+            inputs = {key: _to_device_but_grids(key, value, device) for key, value in inputs.items()}
             inputs["position_ids"] = _to(positions, device)
             logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded)
             for sequence in part:
@@ -663,13 +680,16 @@ class GraphBatchingManager:
         for sequence in part:
             sequence.length = length  # its left padding included
             sequence.output.status = RequestStatus.DECODING
+            for key in JOINED_INPUTS:  # in its row now: the device memory of its pixels goes back
+                sequence.prompt.pop(key, None)
         return tokens
 
     def _media_between(self, sequence: Sequence, start: int, end: int, device) -> list:
         """`media_features` of the images and videos whose placeholders lie in the prompt's tokens [start, end): the
         whole prompt's encoded once, then the rows of the placeholders before `start` skipped."""
         if sequence.media is None:
-            pixels = {key: _to(value, device) for key, value in sequence.prompt.items() if key in JOINED_INPUTS}
+            pixels = {key: _to_device_but_grids(key, value, device) for key, value in sequence.prompt.items()
+                      if key in JOINED_INPUTS}
             sequence.media = media_features(self.model, pixels) if pixels else []
         ids, media = sequence.prompt["input_ids"][0], []
         for kind, token, features, deepstack in sequence.media:
@@ -761,9 +781,22 @@ def _event() -> torch.cuda.Event:
 
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:
     """`tensor` on `device` without waiting for the device's queued work (pinned first)."""
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or tensor.is_cuda:
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _media_to(prompt: dict, device) -> None:
+    """A prompt's pixels (images', videos') moved to `device` in place, each on its own (no join on the host)."""
+    for key in JOINED_INPUTS:
+        if key in prompt:
+            prompt[key] = _to_device_but_grids(key, prompt[key], device)
+
+
+def _to_device_but_grids(key: str, tensor: torch.Tensor, device) -> torch.Tensor:
+    """A prefill input on `device`, except the images' and videos' grids: the tower reads them on the host, where a read
+    does not wait for the decode chunk queued before."""
+    return tensor if key.endswith("_grid_thw") else _to(tensor, device)
 
 
 def _joined(prompts, pad_id) -> dict:

@@ -20,7 +20,9 @@ import base64
 import gc
 import io
 import json
+import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -204,6 +206,35 @@ def summarize(answers: list, seconds: float, new_tokens: int = NEW_TOKENS) -> di
                                     for answer, count in zip(answers, tokens))}
 
 
+def metrics(base: str) -> dict:
+    """The server's GET /metrics counters by name."""
+    import httpx
+
+    lines = httpx.get(f"{base}/metrics", timeout=10).text.splitlines()
+    return {name: float(value) for name, value in (line.split() for line in lines if not line.startswith("#"))}
+
+
+def batch_counters(before: dict, after: dict, seconds: float) -> dict:
+    """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch."""
+    def grown(name):
+        return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
+
+    prefills = grown("prefills_total")
+    return {"gpu_prefill_busy": grown("gpu_prefill_seconds_total") / seconds,
+            "gpu_decode_busy": grown("gpu_decode_seconds_total") / seconds, "prefills": int(prefills),
+            "requests_per_prefill": grown("admitted_requests_total") / max(prefills, 1),
+            "decode_steps": int(grown("decode_steps_total"))}
+
+
+def process_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) a process has used: this one, or `pid`'s (Linux)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_until_up(base: str, process, log: Path) -> None:
     import httpx
 
@@ -283,8 +314,14 @@ def server_rows(args) -> dict:
         for run in ("first", "second"):
             for level in levels:
                 bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
+                client_cpu, server_cpu, counters = process_cpu_s(), process_cpu_s(process.pid), metrics(base)
                 answers, seconds = asyncio.run(closed_loop(base, bodies, level))
-                row = {"run": run, "concurrency": level, **summarize(answers, seconds)}
+                # Cores busy on average: a client near 1 is the measurement's own limit; the server's threads share
+                # one interpreter lock, so its figure counts the time outside it too (image decoding, torch, tokenizers).
+                cores = {"client_cores_busy": (process_cpu_s() - client_cpu) / seconds,
+                         "server_cores_busy": (process_cpu_s(process.pid) - server_cpu) / seconds}
+                row = {"run": run, "concurrency": level, **summarize(answers, seconds), **cores,
+                       **batch_counters(counters, metrics(base), seconds)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if run == "second" and level == levels[0]:

@@ -96,6 +96,16 @@ class Scheduler:
             tokens += cost
         return admitted
 
+    def upcoming(self, tokens: int) -> list:
+        """The waiting requests next in line whose prompts add up to at most `tokens` (the first one always)."""
+        ahead, total = [], 0
+        for sequence in self.waiting:
+            total += sequence.prompt_len
+            if ahead and total > tokens:
+                break
+            ahead.append(sequence)
+        return ahead
+
     def finish(self, sequence: Sequence) -> None:
         """`sequence` leaves its row (finished, failed or cancelled)."""
         sequence.done = True

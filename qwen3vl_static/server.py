@@ -2,8 +2,9 @@
 the `serve` extra (FastAPI, uvicorn, httpx).
 
 Endpoints (vLLM's shapes): `POST /v1/chat/completions` (text and `image_url` parts, streaming as server-sent events),
-`POST /v1/completions` (a text prompt), `GET /v1/models`, `GET /health`. Every choice of a request is one streaming
-request of the model's continuous-batching manager, so requests join the running batch as they arrive. What can be
+`POST /v1/completions` (a text prompt), `GET /v1/models`, `GET /health`, `GET /metrics` (the batch's counters in
+Prometheus' text format). Every choice of a request is one streaming request of the model's continuous-batching
+manager, so requests join the running batch as they arrive. What can be
 checked before a request enters the batch is (the body, the model name, images, the prompt's and the answer's length
 against a cache row, the queue), and answered with an OpenAI-style error, `{"error": {"message", "type", "param",
 "code"}}`, whose message says what to change. A client that disconnects cancels its choices, freeing their rows; on
@@ -38,6 +39,18 @@ logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "BadRequestError",
                413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
+
+
+# The batch's counters (`GraphBatchingManager.stats`) at GET /metrics: name, scale, help.
+METRICS = {
+    "prefill_ms": ("qwen3vl_static_gpu_prefill_seconds_total", 1e-3, "GPU time in prefills (vision tower included)"),
+    "decode_ms": ("qwen3vl_static_gpu_decode_seconds_total", 1e-3, "GPU time in decode steps"),
+    "host_wait_ms": ("qwen3vl_static_host_wait_seconds_total", 1e-3, "time the batch's thread waited for the GPU"),
+    "steps": ("qwen3vl_static_decode_steps_total", 1, "decode steps"),
+    "request_steps": ("qwen3vl_static_decode_request_steps_total", 1, "decode steps of rows that held a request"),
+    "prefills": ("qwen3vl_static_prefills_total", 1, "prefill launches"),
+    "admitted": ("qwen3vl_static_admitted_requests_total", 1, "requests that entered the batch"),
+}
 
 
 @dataclass(frozen=True)
@@ -290,6 +303,7 @@ class OpenAIServer:
         # A client gone mid-upload: no one to answer, nothing to log.
         app.add_exception_handler(ClientDisconnect, lambda *_: Response(status_code=499))
         app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
@@ -299,6 +313,14 @@ class OpenAIServer:
         if self.manager.error is not None or not self.manager.is_running():
             return JSONResponse(self._stopped().body(), status_code=503)
         return Response(status_code=200)
+
+    async def metrics(self) -> Response:
+        """Prometheus' text format: the requests in flight and the batch's counters (`METRICS`)."""
+        lines = ["# TYPE qwen3vl_static_requests_in_flight gauge",
+                 f"qwen3vl_static_requests_in_flight {self.in_flight}"]
+        for stat, (name, scale, what) in METRICS.items():
+            lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {self.manager.stats[stat] * scale}"]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> dict:
         self._authorize(request)

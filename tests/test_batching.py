@@ -335,3 +335,42 @@ def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():
     output = GenerationOutput(request_id="bytes", generated_tokens=list("ab好".encode()))
     assert manager._stopped(Sequence(output, {}, None, 10, stop_strings=("好",)))
     assert not manager._stopped(Sequence(output, {}, None, 10, stop_strings=("好x",)))
+
+
+def test_the_requests_next_in_line_are_those_of_two_budgets():
+    """`Scheduler.upcoming`: the waiting requests in arrival order whose prompts fit the tokens given (the first one
+    always), whose pixels the manager copies to the device while the GPU runs the chunk it just queued."""
+    from qwen3vl_static.scheduler_qwen3vl_graph import Scheduler, Sequence
+
+    scheduler = Scheduler(rows=2, max_prefill_tokens=10)
+    for length in (12, 5, 4, 3):
+        scheduler.add(Sequence(None, {"input_ids": torch.zeros(1, length)}, None, 0))
+    assert [sequence.prompt_len for sequence in scheduler.upcoming(20)] == [12, 5]
+    assert [sequence.prompt_len for sequence in scheduler.upcoming(5)] == [12]
+    assert [sequence.prompt_len for sequence in scheduler.upcoming(100)] == [12, 5, 4, 3]
+
+
+def test_pixels_that_cannot_reach_the_device_fail_their_request_alone(monkeypatch):
+    """A request whose pixels fail to move to the device fails with that error; the others generate as alone, and a
+    prefilled request's prompt no longer holds its pixels."""
+    import qwen3vl_static.batching_qwen3vl_graph as batching
+
+    ours, stock = new_pair()
+    requests, expected = requests_and_expected(stock, 4)
+    bad = requests[2]["pixel_values"].shape
+    moved, prompts = batching._media_to, []
+
+    def media_to(prompt, device):
+        prompts.append(prompt)
+        if "pixel_values" in prompt and prompt["pixel_values"].shape == bad:
+            raise RuntimeError("the copy failed")
+        moved(prompt, device)
+
+    monkeypatch.setattr(batching, "_media_to", media_to)
+    results = list(ours.generate_batch(requests, progress_bar=False).values())
+    assert results[2].status == RequestStatus.FAILED and "the copy failed" in results[2].error
+    for index in (0, 1, 3):
+        assert results[index].status == RequestStatus.FINISHED
+        assert results[index].generated_tokens == expected[index]
+    good = [prompt for prompt in prompts if prompt["input_ids"].shape == requests[0]["input_ids"].shape]
+    assert good and not any("pixel_values" in prompt for prompt in good)  # dropped once in its row

@@ -24,7 +24,7 @@ import torch
 from conftest import image, save_stock_checkpoint
 from openai import BadRequestError, OpenAI
 
-from qwen3vl_static.bench_server import chat_body, closed_loop, summarize
+from qwen3vl_static.bench_server import batch_counters, chat_body, closed_loop, metrics, summarize
 from qwen3vl_static.convert import convert
 from qwen3vl_static.dataset_runner import load_processor
 from qwen3vl_static.media import MediaError, MediaLimits, fetch_image
@@ -364,7 +364,11 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     model, processor = reference
     urls = [data_url(png(image(64, 32 + 16 * index))) for index in range(4)]
     bodies = [chat_body(index, url, model=NAME, new_tokens=12) for index, url in enumerate(urls)]
+    before = metrics(server.url)
     answers, seconds = asyncio.run(closed_loop(server.url, bodies, 2, headers=HEADERS))
+    counters = batch_counters(before, metrics(server.url), seconds)  # GET /metrics: what the batch did meanwhile
+    assert counters["prefills"] >= 2 and counters["requests_per_prefill"] * counters["prefills"] == 4
+    assert counters["decode_steps"] >= 11 and counters["gpu_prefill_busy"] == counters["gpu_decode_busy"] == 0  # CPU
     for answer, body in zip(answers, bodies):
         image_part, text_part = body["messages"][0]["content"]
         picture = asyncio.run(fetch_image(image_part["image_url"]["url"], MediaLimits(), client=None))
