@@ -1,7 +1,8 @@
 """How much of the server process's CPU does one streamed token take? `serve`'s app over a stand-in batch (no model, no
 GPU: every --step-ms it draws one token for each running request and hands that step's outputs to the event loop in
 one wake-up, as the continuous batch does), driven by --clients closed-loop streaming clients in this process (the
-benchmark's, `bench_server.closed_loop`), text-only chats of --new-tokens tokens.
+benchmark's, `bench_server.closed_loop`), text-only chats (`--image`: the benchmark's, a 448x448 JPEG and a question)
+of --new-tokens tokens.
 
 At 64 clients the H200's decode step is ~2.5 ms, so the event loop gets 64 tokens to send every 2.5 ms while the
 batch's thread needs the same interpreter lock between steps: the CPU microseconds a token costs here bound that.
@@ -9,7 +10,7 @@ Runs on any machine (the CPU only). Writes `$OUT/server_host_probe.json` (defaul
 process's CPU per streamed token, tokens/s delivered, the stand-in's late steps; `--profile` adds the event loop's
 top functions (cProfile, in the server process).
 
-    python bench/probes/server_host_probe.py [--clients 64] [--step-ms 2.5] [--new-tokens 128] [--requests 256]
+    python bench/probes/server_host_probe.py [--clients 64] [--step-ms 2.5] [--new-tokens 128] [--requests 256] [--image]
 """
 
 import argparse
@@ -32,8 +33,10 @@ from types import SimpleNamespace
 
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-from qwen3vl_static.bench_server import (NAME, bench_processor, closed_loop, free_port, process_cpu_s, summarize,
-                                         wait_until_up)
+import numpy as np
+
+from qwen3vl_static.bench_server import (NAME, bench_processor, chat_body, closed_loop, free_port, image_url,
+                                         process_cpu_s, summarize, wait_until_up)
 from qwen3vl_static.server import METRICS
 
 ROW_SLOTS = 4096
@@ -156,6 +159,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--step-ms", type=float, default=2.5)
+    parser.add_argument("--image", action="store_true", help="the benchmark's chats: a 448x448 image and a question")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--server", type=int, help=argparse.SUPPRESS)  # the server process: its port
     parser.add_argument("--profile-to", type=Path, help=argparse.SUPPRESS)
@@ -172,12 +176,16 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(base, process, Path(os.devnull))
-        body = {"model": NAME, "stream": True, "stream_options": {"include_usage": True},
-                "max_tokens": args.new_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": "What does this show, in detail?"}]}
-        asyncio.run(closed_loop(base, [body] * args.clients, args.clients))  # warm up
+        if args.image:  # the benchmark's bodies: a 448x448 JPEG data URL and a question
+            urls = [image_url(np.random.default_rng(index)) for index in range(8)]
+            bodies = [chat_body(index, urls[index % 8], new_tokens=args.new_tokens) for index in range(args.requests)]
+        else:
+            bodies = [{"model": NAME, "stream": True, "stream_options": {"include_usage": True},
+                       "max_tokens": args.new_tokens, "temperature": 0,
+                       "messages": [{"role": "user", "content": "What does this show, in detail?"}]}] * args.requests
+        asyncio.run(closed_loop(base, bodies[:args.clients], args.clients))  # warm up
         before_cpu, before = process_cpu_s(process.pid), httpx.get(f"{base}/probe").json()
-        answers, seconds = asyncio.run(closed_loop(base, [body] * args.requests, args.clients))
+        answers, seconds = asyncio.run(closed_loop(base, bodies, args.clients))
         cpu, after = process_cpu_s(process.pid) - before_cpu, httpx.get(f"{base}/probe").json()
     finally:
         process.terminate()
