@@ -780,9 +780,12 @@ def _event() -> torch.cuda.Event:
 
 
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:
-    """`tensor` on `device` without waiting for the device's queued work (pinned first)."""
-    if torch.device(device).type != "cuda" or tensor.is_cuda:
+    """`tensor` on `device` without waiting for the device's queued work (pinned first); a CUDA tensor is taken as is
+(`_prepare` keeps a request's tensors on the host: one on the device was moved there here)."""
+    if torch.device(device).type != "cuda":
         return tensor.to(device)
+    if tensor.is_cuda:
+        return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
 
 

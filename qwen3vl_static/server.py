@@ -4,11 +4,11 @@ the `serve` extra (FastAPI, uvicorn, httpx).
 Endpoints (vLLM's shapes): `POST /v1/chat/completions` (text and `image_url` parts, streaming as server-sent events),
 `POST /v1/completions` (a text prompt), `GET /v1/models`, `GET /health`, `GET /metrics` (the batch's counters in
 Prometheus' text format). Every choice of a request is one streaming request of the model's continuous-batching
-manager, so requests join the running batch as they arrive. What can be
-checked before a request enters the batch is (the body, the model name, images, the prompt's and the answer's length
-against a cache row, the queue), and answered with an OpenAI-style error, `{"error": {"message", "type", "param",
-"code"}}`, whose message says what to change. A client that disconnects cancels its choices, freeing their rows; on
-SIGINT / SIGTERM uvicorn stops accepting connections, the requests in flight finish, then the batch stops.
+manager, so requests join the running batch as they arrive. What can be checked before a request enters the batch is
+(the body, the model name, images, the prompt's and the answer's length against a cache row, the queue), and
+answered with an OpenAI-style error, `{"error": {"message", "type", "param", "code"}}`, whose message says what to
+change. A client that disconnects cancels its choices, freeing their rows; on SIGINT / SIGTERM uvicorn stops
+accepting connections, the requests in flight finish, then the batch stops.
 """
 
 import asyncio
