@@ -688,8 +688,8 @@ class GraphBatchingManager:
         """`media_features` of the images and videos whose placeholders lie in the prompt's tokens [start, end): the
         whole prompt's encoded once, then the rows of the placeholders before `start` skipped."""
         if sequence.media is None:
-            pixels = {key: _to_device_but_grids(key, value, device) for key, value in sequence.prompt.items()
-                      if key in JOINED_INPUTS}
+            _media_to(sequence.prompt, device)
+            pixels = {key: value for key, value in sequence.prompt.items() if key in JOINED_INPUTS}
             sequence.media = media_features(self.model, pixels) if pixels else []
         ids, media = sequence.prompt["input_ids"][0], []
         for kind, token, features, deepstack in sequence.media:

@@ -31,9 +31,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
-
 import numpy as np
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from qwen3vl_static.bench_server import (NAME, bench_processor, chat_body, closed_loop, free_port, image_url,
                                          process_cpu_s, summarize, wait_until_up)
