@@ -416,7 +416,7 @@ def report(summary, out_dir: Path) -> Path:
         print_table(server["rows"], ["run", "concurrency", "requests", "output_tokens_per_s", "ttft_ms_p50",
                                      "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "tokens_per_chunk",
                                      "client_cores_busy", "server_cores_busy", "gpu_prefill_busy", "gpu_decode_busy",
-                                     "requests_per_prefill", "answers_as_asked"])
+                                     "requests_per_prefill", "engine_cores_busy", "answers_as_asked"])
         for key, value in server.items():
             if "_generate" in key:
                 print(f"{key}: {value}")

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -65,67 +65,24 @@ def bench_processor(model: str = "2b"):
     return ImageChatProcessor(real_ids_tokenizer(model), image_processor)
 
 
+def bench_model(model: str = "2b"):
+    """The served model: the preset's shapes with random weights (seed 0), EOS off (built in the engine process)."""
+    built = build_ours(torch.device("cuda"), torch.bfloat16, model)
+    generate_exactly_as_asked(built)
+    return built
+
+
 def server_main(argv=None) -> None:
-    """The server's process: `serve` on the bench model until SIGTERM (with `--profile`, its threads' stacks sampled
-    meanwhile)."""
+    """The server's processes: `serve` on the bench model until SIGTERM."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="2b")
-    parser.add_argument("--profile", type=Path)
+    parser.add_argument("--api-server-count", type=int)
     args = parser.parse_args(argv)
-    from .server import serve
+    from .server import default_api_servers, serve
 
-    model = build_ours(torch.device("cuda"), torch.bfloat16, args.model)
-    generate_exactly_as_asked(model)
-    sampler = StackSampler() if args.profile else None
-    serve(model, bench_processor(args.model), NAME, port=args.port)
-    if sampler is not None:
-        args.profile.write_text(json.dumps(sampler.report(), indent=1))
-
-
-class StackSampler:
-    """Where this process's threads spend their time: every INTERVAL s each thread's stack is read, counting each
-    function on it once (inclusive) and its innermost three frames (a sampling profiler, as py-spy, in-process)."""
-
-    INTERVAL = 0.002
-
-    def __init__(self):
-        import threading
-
-        self.samples, self.inclusive, self.innermost = Counter(), Counter(), Counter()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import threading
-
-        me = threading.get_ident()
-        while True:
-            time.sleep(self.INTERVAL)
-            names = {thread.ident: thread.name for thread in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                name, seen, frames = names.get(ident, str(ident)), set(), []
-                while frame is not None:
-                    code = frame.f_code
-                    where = f"{Path(code.co_filename).name}:{code.co_name}"
-                    if len(frames) < 3:
-                        frames.append(f"{where}:{frame.f_lineno}")
-                    seen.add(where)
-                    frame = frame.f_back
-                self.samples[name] += 1
-                self.inclusive.update((name, where) for where in seen)
-                self.innermost[(name, " < ".join(frames))] += 1
-
-    def report(self) -> dict:
-        threads = [name for name, count in self.samples.most_common() if count > 10]
-        return {name: {"samples": self.samples[name],
-                       "inclusive": [(where, count) for (thread, where), count in self.inclusive.most_common()
-                                     if thread == name][:40],
-                       "innermost": [(frames, count) for (thread, frames), count in self.innermost.most_common()
-                                     if thread == name][:25]}
-                for name in threads}
+    serve(partial(bench_model, args.model), partial(bench_processor, args.model), NAME, port=args.port,
+          api_servers=args.api_server_count or default_api_servers())
 
 
 def image_url(generator: np.random.Generator) -> str:
@@ -223,16 +180,22 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     return {"gpu_prefill_busy": grown("gpu_prefill_seconds_total") / seconds,
             "gpu_decode_busy": grown("gpu_decode_seconds_total") / seconds, "prefills": int(prefills),
             "requests_per_prefill": grown("admitted_requests_total") / max(prefills, 1),
-            "decode_steps": int(grown("decode_steps_total"))}
+            "decode_steps": int(grown("decode_steps_total")),
+            "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds}
 
 
 def process_cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system) a process has used: this one, or `pid`'s (Linux)."""
+    """CPU seconds (user + system) used by this process, or by `pid` and the processes under it, running now (Linux)."""
     if pid is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for child in (task / "children").read_text().split()]
+    except OSError:  # gone meanwhile
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + sum(map(process_cpu_s, children))
 
 
 def wait_until_up(base: str, process, log: Path) -> None:
@@ -302,9 +265,8 @@ def server_rows(args) -> dict:
     rows, first_level_answers = [], None
     with log.open("w") as sink:
         child = ["--port", str(port), "--model", args.model]
-        if args.server_profile:
-            args.out.mkdir(parents=True, exist_ok=True)
-            child += ["--profile", str(args.out / "server-profile.json")]
+        if args.server_api_server_count:
+            child += ["--api-server-count", str(args.server_api_server_count)]
         process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static.bench_server", *child], stdout=sink,
                                    stderr=subprocess.STDOUT)
     try:
@@ -316,8 +278,8 @@ def server_rows(args) -> dict:
                 bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
                 client_cpu, server_cpu, counters = process_cpu_s(), process_cpu_s(process.pid), metrics(base)
                 answers, seconds = asyncio.run(closed_loop(base, bodies, level))
-                # Cores busy on average: a client near 1 is the measurement's own limit; the server's threads share
-                # one interpreter lock, so its figure counts the time outside it too (image decoding, torch, tokenizers).
+                # Cores busy on average: a client near 1 is the measurement's own limit; the server's are its
+                # processes' together (the engine's alone: engine_cores_busy, from /metrics).
                 cores = {"client_cores_busy": (process_cpu_s() - client_cpu) / seconds,
                          "server_cores_busy": (process_cpu_s(process.pid) - server_cpu) / seconds}
                 row = {"run": run, "concurrency": level, **summarize(answers, seconds), **cores,

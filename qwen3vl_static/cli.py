@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", help="the model name requests give (default: MODEL as written)")
     server.add_argument("--api-key", default=os.environ.get("QWEN3VL_STATIC_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $QWEN3VL_STATIC_API_KEY, else none)")
+    server.add_argument("--api-server-count", type=positive_int,
+                        help="HTTP processes, each parsing, rendering and streaming its share of the requests beside "
+                        "the one engine process (default: one per four CPU cores, one to four)")
     server.add_argument("--slots", type=positive_int, help=SLOTS_HELP)
     server.add_argument("--cache-len", type=positive_int,
                         help="cache slots per request, prompt and answer (static_cache_len)")
@@ -176,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(its own JSON, *-server-DATE.json; needs the serve extra)")
     bench.add_argument("--server-concurrency", type=int, nargs="+", default=[1, 16, 64, 256],
                        help="the --server concurrencies (default: 1 16 64 256)")
-    bench.add_argument("--server-profile", action="store_true",
-                       help="sample the --server server's threads' stacks (server-profile-*.json beside the results)")
+    bench.add_argument("--server-api-server-count", type=positive_int,
+                       help="the --server server's HTTP processes (default: serve's)")
     bench.add_argument("--speculative", action="store_true",
                        help="only speculative decoding's parts (a random EAGLE-3 draft of the published format) beside "
                             "the plain decode step, at K = 1..7 draft tokens")
@@ -326,21 +329,30 @@ def _check_serve(args) -> None:
     qwen3vl_config_file(args.model, "MODEL")
 
 
-def _serve(args) -> int:
+def load_for_serving(path: str, device: str, cache_len: int | None):
+    """The converted model at `path` on `device` (bfloat16 on CUDA, else float32): what `serve`'s engine process
+    builds."""
     import torch
+
+    from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
+
+    device = torch.device(device)
+    overrides = {} if cache_len is None else {"static_cache_len": cache_len}
+    return Qwen3VLGraphForConditionalGeneration.from_pretrained(
+        path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
+
+
+def _serve(args) -> int:
+    from functools import partial
 
     from .dataset_runner import load_processor
     from .media import MediaLimits
-    from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
-    from .server import ServerLimits, serve
+    from .server import ServerLimits, default_api_servers, serve
 
-    device = _device(args)
-    overrides = {} if args.cache_len is None else {"static_cache_len": args.cache_len}
-    model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
-        args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
     mib = 2**20
-    serve(model, load_processor(args.model), args.served_model_name or args.model, host=args.host, port=args.port,
-          api_key=args.api_key, max_batch_size=args.slots,
+    serve(partial(load_for_serving, args.model, str(_device(args)), args.cache_len), partial(load_processor, args.model),
+          args.served_model_name or args.model, host=args.host, port=args.port, api_servers=args.api_server_count or default_api_servers(),
+          max_batch_size=args.slots, api_key=args.api_key,
           limits=ServerLimits(max_waiting=args.max_waiting, max_body_bytes=int(args.max_request_mb * mib),
                               max_images=args.max_images),
           media=MediaLimits(max_bytes=int(args.max_image_mb * mib), max_pixels=args.max_image_pixels,

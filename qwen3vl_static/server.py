@@ -4,20 +4,27 @@ the `serve` extra (FastAPI, uvicorn, httpx).
 Endpoints (vLLM's shapes): `POST /v1/chat/completions` (text and `image_url` parts, streaming as server-sent events),
 `POST /v1/completions` (a text prompt), `GET /v1/models`, `GET /health`, `GET /metrics` (the batch's counters in
 Prometheus' text format). Every choice of a request is one streaming request of the model's continuous-batching
-manager, so requests join the running batch as they arrive. What can be checked before a request enters the batch is
-(the body, the model name, images, the prompt's and the answer's length against a cache row, the queue), and
-answered with an OpenAI-style error, `{"error": {"message", "type", "param", "code"}}`, whose message says what to
-change. A client that disconnects cancels its choices, freeing their rows; on SIGINT / SIGTERM uvicorn stops
-accepting connections, the requests in flight finish, then the batch stops.
+manager, so requests join the running batch as they arrive.
+
+Processes (as vLLM's API servers and engine core): `serve` starts the engine process (`engine_process.py`: the model
+and its batch, nothing else) and several HTTP processes that share the listening socket; each parses, fetches and
+decodes images, runs the processor and streams its own clients' tokens, so none of that takes the interpreter lock
+the batch's thread needs. What can be checked before a request enters the batch is (the body, the model name, images,
+the prompt's and the answer's length against a cache row, the queue), and answered with an OpenAI-style error,
+`{"error": {"message", "type", "param", "code"}}`, whose message says what to change. A client that disconnects
+cancels its choices, freeing their rows; on SIGINT / SIGTERM the HTTP processes stop accepting connections and let the
+requests in flight finish, then the batch stops.
 """
 
 import asyncio
 import itertools
 import json
 import logging
+import multiprocessing
+import os
 import secrets
 import signal
-import sys
+import socket
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -33,7 +40,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+from .engine_process import EngineClient, EngineProcess
 from .media import MediaError, MediaLimits, decode_image, fetch_image_data
+from .pixels import PixelNormalizer, as_uint8
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +59,7 @@ METRICS = {
     "request_steps": ("qwen3vl_static_decode_request_steps_total", 1, "decode steps of rows that held a request"),
     "prefills": ("qwen3vl_static_prefills_total", 1, "prefill launches"),
     "admitted": ("qwen3vl_static_admitted_requests_total", 1, "requests that entered the batch"),
+    "engine_cpu_s": ("qwen3vl_static_engine_cpu_seconds_total", 1, "CPU time of the engine process"),
 }
 
 
@@ -265,21 +275,19 @@ class Job:
 
 
 class OpenAIServer:
-    """The endpoints over one model's continuous-batching manager (`app()`: the FastAPI application)."""
+    """The endpoints of one HTTP process over the engine process's batch (`app()`: the FastAPI application). Where the
+    engine takes image patches as uint8, this process's processor leaves them unnormalized (`PixelNormalizer`)."""
 
-    def __init__(self, model, processor, model_name: str, api_key: str | None = None, max_batch_size: int | None = None,
+    def __init__(self, engine: EngineClient, processor, model_name: str, api_key: str | None = None,
                  limits: ServerLimits = ServerLimits(), media: MediaLimits = MediaLimits()):
-        self.model, self.processor, self.model_name, self.api_key = model, processor, model_name, api_key
+        self.engine, self.processor, self.model_name, self.api_key = engine, processor, model_name, api_key
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.limits, self.media = limits, media
-        self.manager = model.init_continuous_batching(max_batch_size=max_batch_size, tokenizer=self.tokenizer)
-        engine = model.graph_engine()
         # A row holds the prompt, the answer and the steps a row may run past its end.
-        self.row_slots, self.reserved = engine.cache.capacity, self.manager.past_end(engine)
-        self.max_requests = engine.cache.rows + limits.max_waiting
-        self.in_flight = 0  # choices added to the manager and not yet ended
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self.row_slots, self.reserved = engine.info.row_slots, engine.info.reserved
+        self.max_requests, self.eos_ids = engine.info.max_requests, engine.info.eos_ids
+        if engine.info.uint8_pixels:
+            PixelNormalizer.raw(processor.image_processor)
         self.created = int(time.time())
         self.http = None  # the client that fetches image URLs, open while the app runs
 
@@ -288,11 +296,8 @@ class OpenAIServer:
         async def lifespan(_):
             async with httpx.AsyncClient() as client:
                 self.http = client
-                self.manager.start()
-                try:
-                    yield
-                finally:  # uvicorn let the requests in flight finish first
-                    await asyncio.to_thread(self.manager.stop)
+                self.engine.start()
+                yield
 
         app = FastAPI(title="qwen3vl_static", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(APIError, lambda _, error: JSONResponse(error.body(), status_code=error.status))
@@ -310,16 +315,19 @@ class OpenAIServer:
         return app
 
     async def health(self) -> Response:
-        if self.manager.error is not None or not self.manager.is_running():
+        if not self.engine.alive:
             return JSONResponse(self._stopped().body(), status_code=503)
         return Response(status_code=200)
 
     async def metrics(self) -> Response:
         """Prometheus' text format: the requests in flight and the batch's counters (`METRICS`)."""
+        stats = await self.engine.stats()
+        if not stats:
+            return JSONResponse(self._stopped().body(), status_code=503)
         lines = ["# TYPE qwen3vl_static_requests_in_flight gauge",
-                 f"qwen3vl_static_requests_in_flight {self.in_flight}"]
+                 f"qwen3vl_static_requests_in_flight {stats['in_flight']}"]
         for stat, (name, scale, what) in METRICS.items():
-            lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {self.manager.stats[stat] * scale}"]
+            lines += [f"# HELP {name} {what}", f"# TYPE {name} counter", f"{name} {stats[stat] * scale}"]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> dict:
@@ -340,14 +348,14 @@ class OpenAIServer:
             {"type": "text", "text": part.text} if part.type == "text" else {"type": "image", "image": next(images)}
             for part in message.content]} for message in body.messages]
         inputs = await self._render(messages)
-        job = self._submit(inputs, body, body.max_completion_tokens or body.max_tokens, "chatcmpl", received)
+        job = await self._submit(inputs, body, body.max_completion_tokens or body.max_tokens, "chatcmpl", received)
         return await self._respond(request, job, body, chat=True)
 
     async def completions(self, request: Request) -> Response:
         received = time.perf_counter()
         body = await self._parse(request, CompletionRequest)
         ids = self.tokenizer(body.prompt, return_tensors="pt")["input_ids"]
-        job = self._submit({"input_ids": ids}, body, body.max_tokens, "cmpl", received)
+        job = await self._submit({"input_ids": ids}, body, body.max_tokens, "cmpl", received)
         return await self._respond(request, job, body, chat=False)
 
     # -- a request's way in ---------------------------------------------------------------------------------------
@@ -408,12 +416,12 @@ class OpenAIServer:
                                 f"({type(error).__name__}: {error})", param="messages") from None
 
     def _stopped(self) -> APIError:
-        reason = f"on an error: {self.manager.error}" if self.manager.error is not None else "(shutting down)"
-        return APIError(503, f"The model's batch has stopped {reason}; restart the server")
+        return APIError(503, f"The model's batch has stopped on an error: {self.engine.error}; restart the server")
 
-    def _submit(self, inputs: dict, body: _Generation, max_tokens: int | None, prefix: str, received: float) -> Job:
+    async def _submit(self, inputs: dict, body: _Generation, max_tokens: int | None, prefix: str,
+                      received: float) -> Job:
         """The request's choices into the batch, after the checks the batch would otherwise fail them on."""
-        if self.manager.error is not None or not self.manager.is_running():
+        if not self.engine.alive:
             raise self._stopped()
         prompt_tokens = inputs["input_ids"].shape[-1]
         room = self.row_slots - self.reserved - prompt_tokens
@@ -430,20 +438,22 @@ class OpenAIServer:
         if body.n > self.max_requests:
             raise APIError(400, f"n={body.n} is more than this server holds at once ({self.max_requests}): ask for "
                                 "fewer choices", param="n")
-        if self.in_flight + body.n > self.max_requests:
-            raise APIError(503, f"The server is full: {self.in_flight} requests are running or waiting, at most "
-                                f"{self.max_requests} (rows + --max-waiting); retry later")
         job_id = f"{prefix}-{uuid.uuid4().hex}"
         answers = [Answer(f"{job_id}-{index}", self.tokenizer, body.stop, self.eos_ids) for index in range(body.n)]
-        job = Job(job_id, prompt_tokens, answers, self.manager.cancel_request)
+        job = Job(job_id, prompt_tokens, answers, self.engine.cancel)
         new_tokens = max_tokens or room
-        for index, answer in enumerate(answers):
-            # Each choice its own seed, so that seeded choices differ from each other and repeat across requests.
-            seed = {} if body.seed is None else {"seed": (body.seed + index) % 2**32}
-            self.manager.register_result_handler(answer.request_id, partial(self._deliver, job, index))
-            self.manager.add_request(**inputs, request_id=answer.request_id, max_new_tokens=new_tokens,
-                                     streaming=True, stop_strings=body.stop, **seed, **body.sampling())
-            self.in_flight += 1
+        # Each choice its own seed, so that seeded choices differ from each other and repeat across requests.
+        settings = [{"max_new_tokens": new_tokens, "stop_strings": body.stop, **body.sampling(),
+                     **({} if body.seed is None else {"seed": (body.seed + index) % 2**32})} for index in range(body.n)]
+        if self.engine.info.uint8_pixels and "pixel_values" in inputs:
+            patches = as_uint8(inputs["pixel_values"])
+            if patches is None:  # the engine's start-up check found them whole: a processor that changed since
+                raise RuntimeError("the processor's unnormalized image patches are not whole numbers")
+            inputs = {**inputs, "pixel_values": patches}
+        refusal = await self.engine.submit(job_id, [answer.request_id for answer in answers], inputs, settings,
+                                           [partial(self._deliver, job, index) for index in range(body.n)])
+        if refusal is not None:
+            raise APIError(*refusal)
         logger.info("%s: %d choice(s), %d prompt tokens, up to %d new tokens each; read and rendered in %.1f ms", job_id,
                     body.n, prompt_tokens, new_tokens, 1000 * (time.perf_counter() - received))
         return job
@@ -452,7 +462,6 @@ class OpenAIServer:
         """The manager's result handler for one choice (on the event loop)."""
         if output.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
             job.answers[index].running = False
-            self.in_flight -= 1
         job.outputs.put_nowait((index, output))
 
     # -- a request's way out --------------------------------------------------------------------------------------
@@ -501,8 +510,8 @@ class OpenAIServer:
 
     def _failed(self, job: Job) -> APIError:
         """A choice the batch failed: the batch stopped (500), else a request the manager refused (400)."""
-        if self.manager.error is not None:
-            return APIError(500, f"The model's batch stopped on an error: {self.manager.error}; restart the server")
+        if self.engine.error is not None:
+            return APIError(500, f"The model's batch stopped on an error: {self.engine.error}; restart the server")
         return APIError(400, job.error())
 
 
@@ -547,18 +556,76 @@ def _choice(chat: bool, index: int, text: str, finish_reason: str | None, delta:
     return {"index": index, "delta" if delta else "message": message, "logprobs": None, "finish_reason": finish_reason}
 
 
-def serve(model, processor, model_name: str, host: str = "127.0.0.1", port: int = 8000, **settings) -> None:
-    """Serve `model` until SIGINT / SIGTERM, which drain it (`settings`: `OpenAIServer`'s)."""
+
+
+def default_api_servers() -> int:
+    """HTTP processes: one per four cores, one to four (the engine process keeps a core and its GPU's host work)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          api_servers: int = 1, max_batch_size: int | None = None, **settings) -> None:
+    """Serve the model `build_model()` returns with the processor `build_processor()` returns (both picklable
+    callables: they run in the processes started here; `max_batch_size`: the batch's rows, None: sized from memory)
+    from one engine process and `api_servers` HTTP processes until SIGINT / SIGTERM, which drain them (`settings`:
+    `OpenAIServer`'s)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    context = multiprocessing.get_context("spawn")  # nothing of this process (threads, CUDA) goes along
+    limits = settings.get("limits", ServerLimits())
+    engine = EngineProcess(context, build_model, build_processor, max_batch_size, limits.max_waiting, api_servers)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.create_server((host, port), family=family, backlog=2048)
+    port = listener.getsockname()[1]
+    fronts = [context.Process(target=_http_main, name=f"qwen3vl-static-http-{index}",
+                              args=(connection, listener, build_processor, engine.info, model_name, host, port,
+                                    settings))
+              for index, connection in enumerate(engine.connections)]
+    for front in fronts:
+        front.start()
+    for connection in engine.connections:
+        connection.close()
+    listener.close()
+    logger.info("serving %s from %d HTTP process(es) and the engine process", model_name, api_servers)
+    # uvicorn's own line (it prints none for a socket it is handed): the socket takes connections from now on
+    logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port)
+
+    def drain(*_):  # uvicorn's way: stop accepting, let the requests in flight finish
+        for front in fronts:
+            if front.is_alive():
+                os.kill(front.pid, signal.SIGTERM)
+
+    for handled in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(handled, drain)
+    failed = None
+    while any(front.is_alive() for front in fronts):
+        for front in fronts:
+            front.join(0.2)
+            if front.exitcode not in (None, 0) and failed is None:
+                failed = f"{front.name} exited with code {front.exitcode}"
+        if failed is None and not engine.process.is_alive():
+            failed = f"the engine process exited with code {engine.process.exitcode}"
+        if failed is not None:
+            logger.error("stopping: %s", failed)
+            drain()
+            for front in fronts:
+                front.join(5)
+                if front.is_alive():
+                    front.kill()
+    engine.stop()
+    if failed is not None:
+        raise SystemExit(1)
+
+
+def _http_main(connection, listener, build_processor, info, model_name: str, host: str, port: int,
+               settings: dict) -> None:
+    """One HTTP process: uvicorn on the shared socket, over its pipe to the engine."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per image fetched
-    # The batch's thread must get the GIL back soon after each wait for the GPU while the event loop's thread streams:
-    # Python's default switch interval (5 ms) is two decode steps of a large batch.
-    sys.setswitchinterval(0.0005)
-    app = OpenAIServer(model, processor, model_name, **settings).app()
+    app = OpenAIServer(EngineClient(connection, info), build_processor(), model_name, **settings).app()
     # uvicorn drains on SIGINT / SIGTERM, then raises the signal again for the handlers it found; these make that a
     # clean exit.
     for handled in (signal.SIGINT, signal.SIGTERM):
         signal.signal(handled, lambda *_: None)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run(sockets=[listener])

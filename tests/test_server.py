@@ -38,7 +38,7 @@ MAX_IMAGE_BYTES = 50_000
 SERVER_FLAGS = ["--device", "cpu", "--port", "0", "--served-model-name", NAME, "--api-key", KEY, "--slots", "4",
                 "--cache-len", str(CACHE_LEN), "--max-waiting", "4", "--max-images", "2",
                 "--max-image-pixels", str(128 * 128), "--max-image-mb", str(MAX_IMAGE_BYTES / 2**20),
-                "--max-request-mb", "1", "--media-timeout", "1"]
+                "--max-request-mb", "1", "--media-timeout", "1", "--api-server-count", "2"]
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
