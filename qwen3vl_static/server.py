@@ -450,12 +450,14 @@ class OpenAIServer:
             if patches is None:  # the engine's start-up check found them whole: a processor that changed since
                 raise RuntimeError("the processor's unnormalized image patches are not whole numbers")
             inputs = {**inputs, "pixel_values": patches}
+        rendered = time.perf_counter()
         refusal = await self.engine.submit(job_id, [answer.request_id for answer in answers], inputs, settings,
                                            [partial(self._deliver, job, index) for index in range(body.n)])
         if refusal is not None:
             raise APIError(*refusal)
-        logger.info("%s: %d choice(s), %d prompt tokens, up to %d new tokens each; read and rendered in %.1f ms", job_id,
-                    body.n, prompt_tokens, new_tokens, 1000 * (time.perf_counter() - received))
+        logger.info("%s: %d choice(s), %d prompt tokens, up to %d new tokens each; read and rendered in %.1f ms, taken "
+                    "by the engine in %.1f ms", job_id, body.n, prompt_tokens, new_tokens,
+                    1000 * (rendered - received), 1000 * (time.perf_counter() - rendered))
         return job
 
     def _deliver(self, job: Job, index: int, output) -> None:
