@@ -17,6 +17,7 @@ status, new tokens, error)]), ("stats", token, counters), ("error", what stopped
 import asyncio
 import itertools
 import logging
+import os
 import pickle
 import queue
 import signal
@@ -111,8 +112,9 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
     except Exception as error:  # noqa: BLE001 - reported to the first process, which raises it
         control.send(("failed", f"{type(error).__name__}: {error}"))
         return
-    logger.info("engine: %d rows of %d slots; image patches cross as %s", engine.cache.rows, engine.cache.capacity,
-                "uint8, normalized here" if normalizer is not None else "float32 (the processor's own)")
+    logger.info("engine process [%d]: %d rows of %d slots; image patches cross as %s", os.getpid(), engine.cache.rows,
+                engine.cache.capacity, "uint8, normalized here" if normalizer is not None else
+                "float32 (the processor's own)")
     control.send(("ready", info))
     asyncio.run(_Engine(manager, normalizer, info.max_requests, connections).run(control))
 

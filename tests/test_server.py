@@ -320,6 +320,8 @@ def test_models_and_health(server, client):
     assert [model.id for model in client.models.list().data] == [NAME]
     assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # no key needed
+    assert "image patches cross as uint8, normalized here" in server.log_text()
+    assert server.log_text().count("Application startup complete") == 2  # --api-server-count 2
 
 
 def test_local_files_need_an_allowed_folder(tmp_path):
@@ -400,3 +402,31 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits(server, reference)
     assert server.process.wait(timeout=30) == 0
     log = server.log_text()
     assert "Finished server process" in log and "Traceback" not in log
+
+
+def test_an_engine_that_dies_fails_the_requests_in_flight_and_the_server_exits(workdir):
+    """A second server: its engine process is killed mid-answer."""
+    log = workdir / "dying.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static", "serve", str(workdir / "graph"),
+                                    *SERVER_FLAGS], stdout=out, stderr=subprocess.STDOUT)
+    served = Server(process, None, log, workdir / "graph")
+    try:
+        served.url = "http://127.0.0.1:" + served.wait_for_log(r"Uvicorn running on http://127\.0\.0\.1:(\d+)",
+                                                             timeout=120).group(1)
+        engine = int(served.wait_for_log(r"engine process \[(\d+)\]").group(1))
+        with httpx.stream("POST", served.url + "/v1/chat/completions", headers=HEADERS, timeout=60, json={
+                "model": NAME, "messages": user("Hello there"), "max_tokens": ROOM - 40, "temperature": 0,
+                "stream": True}) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
+            os.kill(engine, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert rest[-1] == "data: [DONE]" and error["code"] == 500 and "the engine process exited" in error["message"]
+        assert process.wait(timeout=60) == 1
+        assert "stopping: the engine process exited" in served.log_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
