@@ -255,6 +255,7 @@ class EngineClient:
     def __init__(self, connection, info: EngineInfo):
         self.connection, self.info = connection, info
         self.error = None  # what stopped the batch (or the engine process), if anything did
+        self._gone = False  # the engine process exited
         self._outbox = queue.SimpleQueue()  # messages for the sender thread (the event loop never blocks on the pipe)
         self._requests = {}  # request id -> (handler, its tokens so far)
         self._waiting = {}  # job id or stats token -> the future its answer resolves
@@ -279,7 +280,7 @@ class EngineClient:
         for request_id, handler in zip(request_ids, handlers):
             self._requests[request_id] = (handler, [])
         arrays = {key: value.numpy() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
-        refusal = await self._ask(job_id, ("submit", job_id, request_ids, arrays, settings))
+        refusal = await self._ask(job_id, ("submit", job_id, request_ids, arrays, settings), self._gone_refusal())
         if refusal is not None:
             for request_id in request_ids:
                 self._requests.pop(request_id, None)
@@ -289,13 +290,22 @@ class EngineClient:
         self._outbox.put(("cancel", request_id))
 
     async def stats(self) -> dict:
+        """The batch's counters and the engine process's CPU time ({} once the engine process is gone)."""
         token = next(self._tokens)
-        return await self._ask(token, ("stats", token))
+        return await self._ask(token, ("stats", token), {})
 
-    def _ask(self, key, message: tuple) -> asyncio.Future:
-        future = self._waiting[key] = self._loop.create_future()
-        self._outbox.put(message)
+    def _ask(self, key, message: tuple, if_gone) -> asyncio.Future:
+        """A future of the engine's answer to `message`, or of `if_gone` when the engine process is gone."""
+        future = self._loop.create_future()
+        if self._gone:
+            future.set_result(if_gone)
+        else:
+            self._waiting[key] = future
+            self._outbox.put(message)
         return future
+
+    def _gone_refusal(self) -> tuple:
+        return 503, f"The model's batch has stopped: {self.error}"
 
     def _send_all(self) -> None:
         while True:
@@ -306,13 +316,16 @@ class EngineClient:
                 return
 
     def _read_all(self) -> None:
-        while True:
-            try:
-                message = pickle.loads(self.connection.recv_bytes())
-            except (EOFError, OSError):
-                self._loop.call_soon_threadsafe(self._engine_gone)
-                return
-            self._loop.call_soon_threadsafe(self._take, message)
+        try:
+            while True:
+                try:
+                    message = pickle.loads(self.connection.recv_bytes())
+                except (EOFError, OSError):
+                    self._loop.call_soon_threadsafe(self._engine_gone)
+                    return
+                self._loop.call_soon_threadsafe(self._take, message)
+        except RuntimeError:  # the event loop closed: this process is ending
+            return
 
     def _take(self, message: tuple) -> None:
         kind = message[0]
@@ -335,10 +348,11 @@ class EngineClient:
 
     def _engine_gone(self) -> None:
         """The engine process exited: every waiting caller learns it."""
+        self._gone = True
         self.error = self.error or "the engine process exited"
         for key, future in self._waiting.items():
             if not future.done():
-                future.set_result((503, f"The model's batch has stopped: {self.error}") if isinstance(key, str) else {})
+                future.set_result(self._gone_refusal() if isinstance(key, str) else {})
         self._waiting.clear()
         requests, self._requests = self._requests, {}
         for request_id, (handler, tokens) in requests.items():
