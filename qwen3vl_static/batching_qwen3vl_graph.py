@@ -529,7 +529,7 @@ class GraphBatchingManager:
                          if settings.get(key) is not None and (isinstance(settings[key], bool)
                                                                or not isinstance(settings[key], (int, float)))}
         if unknown_type:
-            raise ValueError(f"Request settings of the wrong type: " + ", ".join(
+            raise ValueError("Request settings of the wrong type: " + ", ".join(
                 f"{key}={settings[key]!r}" for key in sorted(unknown_type)) + " (max_new_tokens, top_k and seed take "
                 "integers; temperature, top_p and min_p numbers).")
 
