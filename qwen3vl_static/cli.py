@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a model over an OpenAI-compatible HTTP API (pip install -e \".[serve]\")",
         description="Answer OpenAI-style chat and completion requests (text and images, streaming) over HTTP by "
         "continuous batching on the graph engine: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, "
-        "GET /health. Ctrl-C or SIGTERM lets the requests in flight finish, then exits.",
+        "GET /health, GET /metrics. The model runs in an engine process of its own, the HTTP work in "
+        "--api-server-count processes beside it. Ctrl-C or SIGTERM lets the requests in flight finish, then exits.",
     )
     server.add_argument("model", metavar="MODEL", help="checkpoint folder or Hub repo id (stock or converted)")
     server.add_argument("--host", default="127.0.0.1",
