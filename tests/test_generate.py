@@ -3,14 +3,14 @@
 import pytest
 import torch
 from transformers import (
-    CompileConfig, DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, Qwen3VLConfig, Qwen3VLForConditionalGeneration, TextIteratorStreamer,
+    CompileConfig, DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, Qwen3VLForConditionalGeneration, TextIteratorStreamer,
 )
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import build, chat, image, new_pair
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG
 from qwen3vl_static.ops_sample_qwen3vl_graph import sample_tokens
-from qwen3vl_static.presets import TINY_IDS, tiny_config_dict, tiny_inputs, tiny_tokenizer
+from qwen3vl_static.presets import TINY_IDS, tiny_inputs, tiny_tokenizer
 
 TEXT = [[chat("Describe a cat in one line.")]]
 ONE_IMAGE = ([[chat("image", "What is in the picture?")]], {"images": [image(64, 96)]})

@@ -1,6 +1,7 @@
 """The prefill and vision runners: their padded, graph-shaped path (what CUDA runs) equals stock on the CPU."""
 
 from collections import OrderedDict
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -101,10 +102,13 @@ def test_vision_chunks_equal_stock(padded_pair, name, monkeypatch):
                          for _ in ours.model.visual.blocks]
         expected = stock.model.visual(pixels, grid_thw=grid)
     (got_merged, got_deepstack), (merged, deepstack) = vision_features(got), vision_features(expected)
-    torch.testing.assert_close(got_merged, merged, rtol=1e-5, atol=1e-5)
+    # fp32 sums in another order (a chunk's frames in one attention call, stock's one by one), through every block:
+    # differences near 1e-5 on features of up to ~14, which ones depending on the CPU's kernels
+    close = partial(torch.testing.assert_close, rtol=1e-4, atol=5e-5)
+    close(got_merged, merged)
     assert len(got_deepstack) == len(deepstack) == len(ours.config.vision_config.deepstack_visual_indexes) > 0
     for got_layer, layer in zip(got_deepstack, deepstack):
-        torch.testing.assert_close(got_layer, layer, rtol=1e-5, atol=1e-5)
+        close(got_layer, layer)
 
 
 def test_vision_graphs_keep_the_most_recent_sizes(padded_pair, monkeypatch):
