@@ -51,6 +51,7 @@ from transformers.utils.logging import tqdm
 
 from .cache_qwen3vl_graph import kv_heads_and_dim
 from .compat_qwen3vl_graph import generate_position_ids, media_features, prompt_positions
+from .decode_qwen3vl_graph import PENALIZED, split_mode
 from .loops_qwen3vl_graph import TOP_K_CANDIDATES, first_tokens
 from .runner_qwen3vl_graph import bucket_of, collected, copy_to_host
 from .scheduler_qwen3vl_graph import Scheduler, Sequence
@@ -59,9 +60,12 @@ logger = logging.get_logger(__name__)
 
 # Generation settings a request may set for itself; its other keywords are model inputs (the processor's outputs).
 REQUEST_SETTINGS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "seed", "eos_token_id",
-                    "stop_strings")
+                    "stop_strings", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # Settings that make a request sample when it sets them and not `do_sample` (as a server's client expects).
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "seed")
+# Penalties (a request's or the generation config's; none by default): transformers' repetition penalty over the
+# prompt and the answer, OpenAI's presence and frequency penalties over the answer (`Penalties` in the decode runner).
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 # Model inputs one request may carry: token rows (padded on the left when prompts enter together, with these values;
 # None: the pad token id) and media (joined in row order).
 PADDED_INPUTS = {"input_ids": None, "attention_mask": 0, "mm_token_type_ids": 0}
@@ -83,12 +87,16 @@ def steps_past_end(steps_per_sync: int) -> int:
     return 2 * steps_per_sync
 
 
-def batch_mode(modes: set) -> str:
-    """The decode mode that serves rows of these modes (`Sequence.mode`): greedy only when every row is; a greedy row
-    among sampled ones samples with top-k 1, its argmax."""
+def batch_mode(sequences) -> str:
+    """The decode mode that serves these sequences' rows (each its own `Sequence.mode`): greedy only when every row is
+    (a greedy row among sampled ones samples with top-k 1, its argmax); penalized when any row sets a penalty (the
+    others have none, which leaves their logits as they are)."""
+    modes = {sequence.mode for sequence in sequences}
     if modes == {"greedy"}:
-        return "greedy"
-    return "sample_seeded" if "sample_seeded" in modes else "sample_top_k_seeded"
+        mode = "greedy"
+    else:
+        mode = "sample_seeded" if "sample_seeded" in modes else "sample_top_k_seeded"
+    return mode + PENALIZED if any(sequence.penalized for sequence in sequences) else mode
 
 
 def device_memory(device) -> tuple | None:
@@ -424,7 +432,7 @@ class GraphBatchingManager:
                              + [sequence.prefilled + steps_past_end(steps) for sequence in scheduler.running.values()
                                 if sequence.prefilling])
                 runner.continue_rows(scheduler.active_rows(), length)
-                mode = batch_mode({sequence.mode for sequence in decoding.values()})
+                mode = batch_mode(decoding.values())
                 chunk = chunk or _Chunk(None, {}, 0, [])
                 between = _event() if timed else None
                 chunk.handle, chunk.owners, chunk.steps = runner.issue(steps, mode), decoding, steps
@@ -525,13 +533,13 @@ class GraphBatchingManager:
         unknown_type = {key for key in ("max_new_tokens", "top_k", "seed")
                         if settings.get(key) is not None and (isinstance(settings[key], bool)
                                                               or not isinstance(settings[key], int))}
-        unknown_type |= {key for key in ("temperature", "top_p", "min_p")
+        unknown_type |= {key for key in ("temperature", "top_p", "min_p", *PENALTIES)
                          if settings.get(key) is not None and (isinstance(settings[key], bool)
                                                                or not isinstance(settings[key], (int, float)))}
         if unknown_type:
             raise ValueError("Request settings of the wrong type: " + ", ".join(
                 f"{key}={settings[key]!r}" for key in sorted(unknown_type)) + " (max_new_tokens, top_k and seed take "
-                "integers; temperature, top_p and min_p numbers).")
+                "integers; temperature, top_p, min_p and the penalties numbers).")
 
         def value(key):
             return settings[key] if settings.get(key) is not None else getattr(config, key, None)
@@ -552,6 +560,12 @@ class GraphBatchingManager:
                 or (top_k is not None and top_k < 0):
             raise ValueError(f"Sampling settings out of range: temperature={temperature} (>= 0), top_k={top_k} "
                              f"(>= 0), top_p={top_p} (in (0, 1]), min_p={min_p} (in [0, 1]).")
+        repetition, presence, frequency = (float(none if value(key) is None else value(key))
+                                           for key, none in zip(PENALTIES, (1.0, 0.0, 0.0)))
+        if not (0 < repetition < math.inf and math.isfinite(presence) and math.isfinite(frequency)):
+            raise ValueError(f"Penalties out of range: repetition_penalty={repetition} (> 0; 1: none), "
+                             f"presence_penalty={presence} and frequency_penalty={frequency} (finite; 0: none).")
+        sequence.penalties = (repetition, presence, frequency)
         seed = settings.get("seed")
         if seed is None:  # drawn from torch's generator: `torch.manual_seed` makes a batch reproducible
             seed = int(torch.randint(0, 2**31 - 1, ()))
@@ -674,7 +688,17 @@ class GraphBatchingManager:
         settings = {name: _to(torch.tensor([sequence.sampling[name] for sequence in part]), device)
                     for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
         runner.set_rows_sampling(rows, settings)
-        tokens = first_tokens(runner, logits, batch_mode({sequence.mode for sequence in part}), rows)
+        mode, penalized = split_mode(batch_mode(part))
+        if penalized:
+            runner.enable_penalties()
+        if runner.penalties is not None:  # rows last held by a request with penalties: set afresh (maybe to none)
+            runner.set_rows_penalties(rows, _to(torch.tensor([sequence.penalties for sequence in part]), device),
+                                      [_to(sequence.prompt["input_ids"][0], device) for sequence in part])
+        if penalized:
+            logits = runner.penalties.apply(logits, rows)
+        tokens = first_tokens(runner, logits, mode, rows)
+        if penalized:
+            runner.penalties.count(rows, tokens)
         next_positions = _to(torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1), device)
         runner.admit(rows, tokens, next_positions, inputs["attention_mask"])
         for sequence in part:

@@ -25,8 +25,13 @@ Graphs are keyed by (batch bucket, KV-length bucket, mode) and share the model's
 returns float32 logits (for loops that post-process them on the host), "greedy", "sample" and "sample_top_k" (every
 row's top-k at most `TOP_K_CANDIDATES`: no sort of the whole vocabulary) pick the next token inside the graph. The
 "_seeded" sampling modes (continuous batching) draw each row's noise from its own seed and draw count
-(`seeded_noise`) instead of torch's generator, so that a request's draws do not depend on the rows around it.
+(`seeded_noise`) instead of torch's generator, so that a request's draws do not depend on the rows around it. A mode
+ending in "_penalized" (continuous batching, once a request sets a penalty) first applies each row's repetition
+penalty (transformers': over its prompt and answer) and presence and frequency penalties (OpenAI's: over its answer)
+to the logits (`Penalties`).
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +41,53 @@ from .ops_sample_qwen3vl_graph import seeded_noise
 from .runner_qwen3vl_graph import GraphRunner, bucket_of, collected, copy_to_host
 
 MODES = ("logits", "greedy", "sample", "sample_top_k", "sample_seeded", "sample_top_k_seeded")
+PENALIZED = "_penalized"  # a sampling mode's suffix: the rows' penalties first
+
+
+def split_mode(mode: str) -> tuple:
+    """(the sampling mode, whether penalties apply first) of a decode `mode`."""
+    return mode.removesuffix(PENALIZED), mode.endswith(PENALIZED)
+
+
+@dataclass
+class Penalties:
+    """Per row: its repetition penalty (1: none), presence and frequency penalties (0: none), which tokens its prompt
+    holds and how often its answer holds each token. (rows, vocab) each: allocated by the first request that sets a
+    penalty, not before."""
+
+    repetition: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    prompt_seen: torch.Tensor  # bool
+    counts: torch.Tensor  # int32
+
+    @classmethod
+    def zeros(cls, rows: int, vocab: int, device) -> "Penalties":
+        return cls(torch.ones(rows, device=device), torch.zeros(rows, device=device), torch.zeros(rows, device=device),
+                   torch.zeros(rows, vocab, dtype=torch.bool, device=device),
+                   torch.zeros(rows, vocab, dtype=torch.int32, device=device))
+
+    def buffers(self) -> tuple:
+        return self.repetition, self.presence, self.frequency, self.prompt_seen, self.counts
+
+    def apply(self, logits: torch.Tensor, rows) -> torch.Tensor:
+        """`logits` of `rows` (a slice or an index tensor) penalized, in float32 as transformers' processors run, then
+        in their own dtype again. A row without penalties keeps its logits bit for bit."""
+        counts = self.counts[rows]
+        answered = counts > 0
+        scores = logits.float()
+        repetition = self.repetition[rows][:, None]
+        scores = torch.where(self.prompt_seen[rows] | answered,
+                             torch.where(scores < 0, scores * repetition, scores / repetition), scores)
+        scores = scores - self.frequency[rows][:, None] * counts - self.presence[rows][:, None] * answered
+        return scores.to(logits.dtype)
+
+    def count(self, rows, tokens: torch.Tensor) -> None:
+        """One more of each of `tokens` `(b,)` in the answers of `rows` (a slice or an index tensor of distinct rows)."""
+        if isinstance(rows, slice):
+            self.counts[rows].scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.int32))
+        else:
+            self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
 
 class DecodeRunner(GraphRunner):
@@ -83,6 +135,7 @@ class DecodeRunner(GraphRunner):
         self.out_tokens = zeros(rows, steps_per_sync)
         self.out_unfinished = torch.zeros(rows, steps_per_sync, dtype=torch.bool, device=device)
         self.chunk_step = zeros(1)
+        self.penalties = None  # `enable_penalties`
         self.batch_size = 0
         self.length = 0  # slots filled in every real row (rows advance in lockstep)
 
@@ -129,6 +182,23 @@ class DecodeRunner(GraphRunner):
             buffer[rows] = settings[name].to(buffer.dtype)
         self.draws[rows] = 0
 
+    def enable_penalties(self) -> None:
+        """Per-row penalties from now on (`Penalties`, each row without any until `set_rows_penalties`); the graphs
+        of "_penalized" modes read them."""
+        if self.penalties is None:
+            self.penalties = Penalties.zeros(*self.logits.shape, self.logits.device)
+
+    def set_rows_penalties(self, rows, values, prompts: list) -> None:
+        """Penalties of `rows` (a `(b,)` tensor): `values` `(b, 3)` (repetition, presence, frequency) and each row's
+        prompt ids (`prompts`, `(n,)` tensors on the device); their answers start empty."""
+        penalties = self.penalties
+        for buffer, column in zip((penalties.repetition, penalties.presence, penalties.frequency), values.unbind(1)):
+            buffer[rows] = column
+        penalties.counts[rows] = 0
+        penalties.prompt_seen[rows] = False
+        prompt_rows = torch.cat([row.expand(len(ids)) for row, ids in zip(rows, prompts)])
+        penalties.prompt_seen[prompt_rows, torch.cat(prompts)] = True
+
     # -- rows that start and stop on their own (continuous batching) ---------------------------------------
 
     def open_slots(self, pad_id) -> None:
@@ -166,8 +236,9 @@ class DecodeRunner(GraphRunner):
         """Row i takes over everything row `order[i]` held (its request's state and its cache row): continuous
         batching moves the rows in use to the front, so that a step covers them and few others."""
         index = torch.tensor(order, device=self.cache_rows.device)
+        penalties = self.penalties.buffers() if self.penalties is not None else ()
         for buffer in (self.input_ids, self.cache_lens, self.cache_rows, self.attendable, self.unfinished, self.parked,
-                       self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, self.draws):
+                       self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, self.draws, *penalties):
             buffer.copy_(buffer.index_select(0, index))
         self.positions.copy_(self.positions.index_select(1, index))
         self.cache_row_of = [self.cache_row_of[row] for row in order]
@@ -214,11 +285,16 @@ class DecodeRunner(GraphRunner):
             self.logits[:rows] = logits
             self.ops.advance(cache_lens, positions)
             return
+        mode, penalized = split_mode(mode)
+        if penalized:
+            logits = self.penalties.apply(logits, slice(0, rows))
         tokens = None  # greedy: the argmax, inside finish_step
         if mode != "greedy":
             tokens = self.sample(logits, slice(0, rows), mode)
         self.ops.finish_step(logits, tokens, self.unfinished[:rows], self.pad_id, self.eos_ids, self.input_ids[:rows],
                              self.out_tokens[:rows], self.out_unfinished[:rows], self.chunk_step, cache_lens, positions)
+        if penalized:  # the step's tokens (a finished row's padding too: it is inert, and counted afresh on admission)
+            self.penalties.count(slice(0, rows), self.input_ids[:rows, 0])
 
     def sample(self, logits, rows, mode: str) -> torch.Tensor:
         """Tokens drawn from `logits` for `rows` (a slice or an index tensor) with their own parameters; a "_seeded"
@@ -251,7 +327,8 @@ class DecodeRunner(GraphRunner):
     # -- CUDA graphs ---------------------------------------------------------------------------------------
 
     def state(self) -> tuple:
-        return self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step, self.draws
+        counts = (self.penalties.counts,) if self.penalties is not None else ()
+        return self.input_ids, self.positions, self.cache_lens, self.unfinished, self.chunk_step, self.draws, *counts
 
     def describe(self, key) -> str:
         rows, kv_len, mode = key

@@ -37,6 +37,7 @@ class Sequence:
     stop_strings: tuple = ()
     sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, min_p, seed (the runner's row buffers)
     do_sample: bool = False
+    penalties: tuple = (1.0, 0.0, 0.0)  # repetition, presence, frequency (none)
     streaming: bool = False
     row: int | None = None
     length: int = 0  # cache slots its row holds (prompt, then one per step)
@@ -58,6 +59,10 @@ class Sequence:
     def prefilling(self) -> bool:
         """Whether its prompt is not all in its row yet (it does not decode)."""
         return self.prefilled < self.prompt_len
+
+    @property
+    def penalized(self) -> bool:
+        return self.penalties != (1.0, 0.0, 0.0)
 
     @property
     def mode(self) -> str:

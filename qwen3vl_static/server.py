@@ -126,6 +126,9 @@ class _Generation(_Body):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k
     min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extra parameter: transformers' penalty
     seed: int | None = None
     max_tokens: int | None = Field(None, ge=1)
     user: str | None = None
@@ -139,9 +142,12 @@ class _Generation(_Body):
         return stops
 
     def sampling(self) -> dict:
-        """The manager's sampling settings the request sets (a request that sets any samples; temperature 0: greedy)."""
+        """The manager's sampling settings and penalties the request sets (a request that sets a sampling setting
+        samples; temperature 0: greedy)."""
         settings = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
-                    "top_k": None if self.top_k is None else max(self.top_k, 0)}
+                    "top_k": None if self.top_k is None else max(self.top_k, 0),
+                    "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                    "repetition_penalty": self.repetition_penalty}
         return {key: value for key, value in settings.items() if value is not None}
 
 

@@ -7,6 +7,7 @@ strings; a bad request fails alone; cache rows sized from (fake) GPU memory; the
 import pytest
 import torch
 from conftest import bucketed_pair, build, chat, image, new_pair
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 import qwen3vl_static.modeling_qwen3vl_graph as modeling
@@ -99,7 +100,7 @@ def test_a_bad_request_fails_alone():
     broken["image_grid_thw"] = broken["image_grid_thw"] * 2  # features and placeholders no longer match
     bad = [broken, {**requests[1], "max_new_tokens": 1000}, {**requests[1], "max_new_tokens": "ten"},
            {**requests[1], "max_new_tokens": -3}, {**requests[1], "top_p": 2.0}, {**requests[1], "unknown": 1},
-           {**requests[1], "repetition_penalty": 1.2}, {"input_ids": [[1.5, 2.0]]},
+           {**requests[1], "repetition_penalty": 0.0}, {"input_ids": [[1.5, 2.0]]},
            {"input_ids": torch.tensor([[10**9]])}]
     results = ours.generate_batch([*bad, requests[1], requests[2]], progress_bar=False)
     outputs = list(results.values())
@@ -130,6 +131,57 @@ def test_every_setting_per_request():
     assert results[0] == alone and results[0] != greedy and results[6] != results[0]
     assert results[1] == results[2] == results[3] == results[4] == greedy
     assert len(results[5]) == 8
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the answer so far (what the batch applies after transformers'
+    repetition penalty)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        answer = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, answer, torch.ones_like(answer, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+def test_penalties_per_request_equal_generate_alone():
+    """Repetition (transformers': prompt and answer), presence and frequency penalties (OpenAI's: the answer), each
+    request its own, beside requests without any: each greedy answer is `generate`'s with the same penalties alone,
+    and they change the answers; a sampled request with a penalty draws the same alone or among others; the
+    generation config's repetition penalty is every request's default."""
+    ours, stock = new_pair()
+    penalties = [{"repetition_penalty": 1.5}, {"presence_penalty": 1.5, "frequency_penalty": 0.5}, {},
+                 {"repetition_penalty": 0.7, "frequency_penalty": 2.0}]
+    requests, expected, plain = [], [], []
+    for index, settings in enumerate(penalties * 2):
+        inputs = build(CASES[index % len(CASES)])
+        prompt_len = inputs["input_ids"].shape[1]
+        processors = [OpenAIPenalties(prompt_len, settings.get("presence_penalty", 0.0),
+                                      settings.get("frequency_penalty", 0.0))]
+        out = stock.generate(**inputs, max_new_tokens=12, do_sample=False,
+                             repetition_penalty=settings.get("repetition_penalty", 1.0),
+                             logits_processor=LogitsProcessorList(processors))
+        expected.append(out[0, prompt_len:].tolist())
+        plain.append(stock.generate(**inputs, max_new_tokens=12, do_sample=False)[0, prompt_len:].tolist())
+        requests.append({**inputs, "max_new_tokens": 12, **settings})
+    results = [result.generated_tokens for result in ours.generate_batch(requests, progress_bar=False).values()]
+    assert results == expected
+    # (an answer that repeats nothing, as the tiny model's first image answer, keeps its tokens)
+    assert sum(got != without for got, without, settings in zip(results, plain, penalties * 2) if settings) >= 4
+    assert results[2] == plain[2] and results[6] == plain[6]
+
+    sampled = {**build(TEXT), "max_new_tokens": 8, "temperature": 1.2, "seed": 4, "frequency_penalty": 1.0}
+    alone = ours.generate_batch([sampled], progress_bar=False)["req_0"].generated_tokens
+    among = ours.generate_batch([requests[2], sampled, requests[0]], progress_bar=False)["req_1"].generated_tokens
+    assert among == alone
+
+    ours.generation_config.repetition_penalty = 1.5
+    inputs = build(TEXT)
+    result = ours.generate_batch([{**inputs, "max_new_tokens": 12}], progress_bar=False)["req_0"].generated_tokens
+    assert result == stock.generate(**inputs, max_new_tokens=12, do_sample=False, repetition_penalty=1.5)[
+        0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def test_stop_strings_end_a_request_where_its_text_ends_in_one():

@@ -144,14 +144,15 @@ def user(text, *urls) -> list:
                                          {"type": "text", "text": text}]}]
 
 
-def expected(reference, text, max_tokens, pictures=()) -> tuple:
-    """(text, prompt tokens, new tokens) of greedy `generate` on the chat."""
+def expected(reference, text, max_tokens, pictures=(), **generation) -> tuple:
+    """(text, prompt tokens, new tokens) of greedy `generate` on the chat (with `generation`'s settings)."""
     model, processor = reference
     chat = [{"role": "user", "content": [*({"type": "image", "image": picture} for picture in pictures),
                                          {"type": "text", "text": text}]}]
     inputs = processor.apply_chat_template(chat, tokenize=True, add_generation_prompt=True, return_dict=True,
                                            return_tensors="pt")
-    new = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    new = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **generation)[
+        0, inputs["input_ids"].shape[1]:]
     answer = processor.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return answer, inputs["input_ids"].shape[1], new.tolist()
 
@@ -174,6 +175,13 @@ def test_greedy_answers_equal_generate(server, client, reference, image_host):
     assert answer.choices[0].message.content == text and answer.choices[0].message.role == "assistant"
     assert answer.choices[0].finish_reason == "length"
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, len(new))
+    # Penalties: OpenAI's at 0 (as many clients send them) change nothing; vLLM's repetition_penalty is transformers'.
+    assert client.chat.completions.create(model=NAME, messages=user("Hello there"), max_tokens=12, temperature=0,
+                                          presence_penalty=0, frequency_penalty=0).choices[0].message.content == text
+    penalized = expected(reference, "Hello there", 12, repetition_penalty=1.5)[0]
+    assert penalized != text and client.chat.completions.create(
+        model=NAME, messages=user("Hello there"), max_tokens=12, temperature=0,
+        extra_body={"repetition_penalty": 1.5}).choices[0].message.content == penalized
     # An image, as a data URL, over HTTP and from the allowed folder: the same answer as `generate` on it.
     red = image(64, 64)
     text = expected(reference, "What is it?", 10, [red])[0]
@@ -274,6 +282,8 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, client, i
             (400, "temperature: Input should be greater than or equal to 0",
              {"json": {"messages": user("Hi"), "temperature": -1}}),
             (400, "top_p", {"json": {"messages": user("Hi"), "top_p": 2}}),
+            (400, "presence_penalty: Input should be less than or equal to 2",
+             {"json": {"messages": user("Hi"), "presence_penalty": 3}}),
             (400, "Unknown model 'gpt-4'", {"json": {"model": "gpt-4", "messages": user("Hi")}}),
             (400, "The prompt is 1", {"json": {"messages": user("x" * CACHE_LEN)}}),
             (400, "max_tokens=5000 does not fit", {"json": {"messages": user("Hi"), "max_tokens": 5000}}),
