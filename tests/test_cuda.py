@@ -261,6 +261,29 @@ def test_continuous_batching_graph_equals_eager_and_agrees_with_stock(models, ma
     assert decisive > 0
 
 
+def test_penalized_batches_graph_equals_eager_and_leave_other_rows_alone(models):
+    """Requests with repetition, presence and frequency penalties beside requests without (bf16): the graphs of the
+    penalized modes give the eager schedule's tokens, and the requests without penalties get the tokens they get in a
+    batch that has none."""
+    ours, _ = models
+    generator = torch.Generator().manual_seed(5)
+    plain = [{**text_prompt(ours.config, 1, 30 + 17 * index, "cuda", generator), "max_new_tokens": 24}
+             for index in range(4)]
+    settings = [{"repetition_penalty": 1.3}, {}, {"presence_penalty": 1.0, "frequency_penalty": 0.5}, {}]
+    penalized = [{**request, **own} for request, own in zip(plain, settings)]
+    tokens = {}
+    for name, requests, graphs in (("plain", plain, True), ("graphs", penalized, True), ("eager", penalized, False)):
+        ours.set_cuda_graphs(graphs)
+        try:
+            results = ours.generate_batch(requests, progress_bar=False, max_batch_size=8, static_cache_len=1024)
+        finally:
+            ours.set_cuda_graphs(True)
+        assert [result.error for result in results.values()] == [None] * len(requests)
+        tokens[name] = [result.generated_tokens for result in results.values()]
+    assert tokens["graphs"] == tokens["eager"]
+    assert tokens["graphs"][1::2] == tokens["plain"][1::2]
+
+
 def relative_error(got, expected):
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
