@@ -168,6 +168,7 @@ class _Chunk:
     entered: list  # sequences prefilled before the steps, whose first tokens `first_tokens` holds
     first_tokens: object = None
     events: tuple = ()  # CUDA timing events before the prefill, between it and the steps, after the steps
+    stalls: bool = False  # its prefill held up rows that were decoding (their next tokens wait for it)
 
     def finished(self) -> bool | None:
         """Whether the device has run all of it (None: no events to tell)."""
@@ -204,8 +205,8 @@ class GraphBatchingManager:
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU, decode
         # steps, row-steps queued (rows covered x steps) and of them held by a request, prefill launches and the
         # requests they admitted.
-        self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "host_wait_ms", "steps", "row_steps", "request_steps",
-                                    "prefills", "admitted"), 0)
+        self.stats = dict.fromkeys(("prefill_ms", "stall_ms", "decode_ms", "host_wait_ms", "chunks", "steps",
+                                    "row_steps", "request_steps", "prefills", "stalls", "admitted"), 0)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -417,7 +418,9 @@ class GraphBatchingManager:
             behind = None if gpu_idle is None else gpu_idle or self._clients_behind
             before = _event() if timed and (entered or scheduler.running) else None
             if entered:
-                chunk = _Chunk(None, {}, 0, *self._enter(entered, engine, scheduler))
+                stalls = any(not sequence.prefilling for sequence in scheduler.running.values())
+                chunk = _Chunk(None, {}, 0, *self._enter(entered, engine, scheduler), stalls=stalls)
+                self.stats["stalls"] += stalls
             decoding = {row: sequence for row, sequence in scheduler.running.items() if not sequence.prefilling}
             streams = any(sequence.streaming for sequence in decoding.values())
             steps = streaming_steps.next(behind) if streams else runner.steps_per_sync
@@ -440,6 +443,7 @@ class GraphBatchingManager:
                     sequence.length += steps
                 if timed:
                     chunk.events = (before, between, _event())
+                self.stats["chunks"] += 1
                 self.stats["steps"] += steps
                 self.stats["row_steps"] += runner.batch_size * steps
                 self.stats["request_steps"] += len(decoding) * steps
@@ -754,6 +758,8 @@ class GraphBatchingManager:
         if chunk.events:
             before, between, after = chunk.events
             self.stats["prefill_ms"] += before.elapsed_time(between)
+            if chunk.stalls:
+                self.stats["stall_ms"] += before.elapsed_time(between)
             if after is not None:
                 self.stats["decode_ms"] += between.elapsed_time(after)
         if chunk.handle is not None:

@@ -172,15 +172,19 @@ def metrics(base: str) -> dict:
 
 
 def batch_counters(before: dict, after: dict, seconds: float) -> dict:
-    """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch."""
+    """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch, how often
+    and for how long admissions held up decoding rows (a stream's longest gaps: a stall and the chunk before it), the
+    steps per chunk (the tokens a stream gets at once)."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
-    prefills = grown("prefills_total")
+    prefills, stalls = grown("prefills_total"), grown("stalls_total")
     return {"gpu_prefill_busy": grown("gpu_prefill_seconds_total") / seconds,
             "gpu_decode_busy": grown("gpu_decode_seconds_total") / seconds, "prefills": int(prefills),
             "requests_per_prefill": grown("admitted_requests_total") / max(prefills, 1),
+            "stalls_per_s": stalls / seconds, "stall_ms_mean": 1000 * grown("gpu_stall_seconds_total") / max(stalls, 1),
             "decode_steps": int(grown("decode_steps_total")),
+            "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),
             "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds}
 
 

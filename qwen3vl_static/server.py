@@ -52,11 +52,15 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 # The batch's counters (`GraphBatchingManager.stats`) at GET /metrics: name, scale, help.
 METRICS = {
     "prefill_ms": ("qwen3vl_static_gpu_prefill_seconds_total", 1e-3, "GPU time in prefills (vision tower included)"),
+    "stall_ms": ("qwen3vl_static_gpu_stall_seconds_total", 1e-3,
+                 "GPU time in prefills that held up rows decoding (their next tokens waited)"),
     "decode_ms": ("qwen3vl_static_gpu_decode_seconds_total", 1e-3, "GPU time in decode steps"),
     "host_wait_ms": ("qwen3vl_static_host_wait_seconds_total", 1e-3, "time the batch's thread waited for the GPU"),
+    "chunks": ("qwen3vl_static_decode_chunks_total", 1, "chunks of decode steps (each read by the host at once)"),
     "steps": ("qwen3vl_static_decode_steps_total", 1, "decode steps"),
     "request_steps": ("qwen3vl_static_decode_request_steps_total", 1, "decode steps of rows that held a request"),
     "prefills": ("qwen3vl_static_prefills_total", 1, "prefill launches"),
+    "stalls": ("qwen3vl_static_stalls_total", 1, "admission turns that held up rows decoding"),
     "admitted": ("qwen3vl_static_admitted_requests_total", 1, "requests that entered the batch"),
     "engine_cpu_s": ("qwen3vl_static_engine_cpu_seconds_total", 1, "CPU time of the engine process"),
 }

@@ -79,6 +79,10 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
     assert all(events[index + 1][0] == "decode" for index in turns)  # each admission is followed by a chunk
     decoded = [rows for kind, rows in events[: turns[-1] + 2] if kind == "decode"]
     assert len(decoded) == 6 and decoded[:4] == [2, 4, 6, 8]  # running rows step on while the others enter
+    # Every admission after the first held up rows that were decoding: a stall each (their GPU time: on a GPU).
+    stats = manager.stats
+    assert stats["stalls"] == 5 and stats["stall_ms"] == 0 and stats["chunks"] == len(
+        [event for event in events if event[0] == "decode"]) and stats["steps"] == 2 * stats["chunks"]
 
 
 def test_rows_stop_at_their_own_eos():

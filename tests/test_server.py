@@ -381,6 +381,8 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     counters = batch_counters(before, metrics(server.url), seconds)  # GET /metrics: what the batch did meanwhile
     assert counters["prefills"] >= 2 and counters["requests_per_prefill"] * counters["prefills"] == 4
     assert counters["decode_steps"] >= 11 and counters["gpu_prefill_busy"] == counters["gpu_decode_busy"] == 0  # CPU
+    assert counters["stall_ms_mean"] == 0 and counters["stalls_per_s"] * seconds <= counters["prefills"]
+    assert 1 <= counters["steps_per_chunk"] <= 8
     for answer, body in zip(answers, bodies):
         image_part, text_part = body["messages"][0]["content"]
         picture = asyncio.run(fetch_image(image_part["image_url"]["url"], MediaLimits(), client=None))
