@@ -310,6 +310,14 @@ class DecodeRunner(GraphRunner):
     def forward(self, rows: int, kv_len: int, record=()) -> torch.Tensor:
         """Embedding -> decoder layers over the cache -> norm -> lm_head for one token per row. (The step's end
         advances the rows' lengths and positions: `step`.) `record`: layer outputs to keep (`decoder_layers`)."""
+        hidden, x, attend = self.layer_inputs(rows, kv_len)
+        x = decoder_layers(self.ops, self.text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend,
+                           record=record)
+        return self.ops.linear(x, self.text.lm_head)
+
+    def layer_inputs(self, rows: int, kv_len: int) -> tuple:
+        """What `decoder_layers` takes for the first `rows` rows' tokens: the residual stream and its first norm
+        `(rows, hidden)`, and how a layer attends (each row to its first `kv_len` cache slots, writing its K/V)."""
         ops, text = self.ops, self.text
         positions, cache_lens = self.positions[:, :rows], self.cache_lens[:rows]
         hidden, x = ops.embed_rms_norm(self.input_ids[:rows, 0], text.embed, *text.first_norm)
@@ -320,9 +328,7 @@ class DecodeRunner(GraphRunner):
             return ops.decode_attention(x, layer.qkv, layer.heads, layer.qk_norms, rotary, keys, values, cache_lens,
                                         context, kv_len, layer.scaling)
 
-        x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend,
-                           record=record)
-        return ops.linear(x, text.lm_head)
+        return hidden, x, attend
 
     # -- CUDA graphs ---------------------------------------------------------------------------------------
 

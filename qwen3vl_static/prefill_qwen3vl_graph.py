@@ -196,6 +196,20 @@ class PrefillRunner(GraphRunner):
         mask). `record`: layer outputs to keep, row-major (`decoder_layers`)."""
         ops, text = self.ops, self.text
         rows, size = input_ids.shape
+        hidden, attend, added = self.layer_inputs(input_ids, positions, attendable, modality, visual, deepstack, start,
+                                                  row_ids, masked)
+        x = ops.rms_norm(hidden, *text.first_norm)
+        x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend, added,
+                           record)
+        x = x.view(rows, size, -1).index_select(1, last)[:, 0]
+        return ops.linear(x, text.lm_head).float()
+
+    def layer_inputs(self, input_ids, positions, attendable, modality, visual, deepstack, start, row_ids,
+                     masked) -> tuple:
+        """What `decoder_layers` takes for the prompt tokens `(rows, size)` (`forward`'s arguments): the residual
+        stream `(rows * size, hidden)` row-major, how a layer attends, and the DeepStack features to add."""
+        ops, text = self.ops, self.text
+        rows, size = input_ids.shape
         kv_slots = attendable.shape[1]
         hidden = F.embedding(input_ids, text.embed)
         # The k-th image token (row-major) takes feature row k, the k-th video token row (image tokens + k); the
@@ -241,12 +255,7 @@ class PrefillRunner(GraphRunner):
 
         # DeepStack: visual features of the first vision layers join the residual stream after the first decoder layers.
         added = [torch.where(is_visual, features[order], 0).view(tokens, -1) for features in deepstack]
-        hidden = hidden.view(tokens, -1)
-        x = ops.rms_norm(hidden, *text.first_norm)
-        x = decoder_layers(ops, text.layers, self.cache.full_keys, self.cache.full_values, hidden, x, attend, added,
-                           record)
-        x = x.view(rows, size, -1).index_select(1, last)[:, 0]
-        return ops.linear(x, text.lm_head).float()
+        return hidden.view(tokens, -1), attend, added
 
     def warmup_keys(self, batch_sizes, prompt_lengths) -> list:
         """The graphs these sizes use, largest first (for `model.warmup` to capture): (rows, tokens, KV slots, masked),
