@@ -133,6 +133,8 @@ class _Generation(_Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extra parameter: transformers' penalty
+    ignore_eos: bool = False  # vLLM's extra parameters (its benchmark sends ignore_eos)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     seed: int | None = None
     max_tokens: int | None = Field(None, ge=1)
     user: str | None = None
@@ -447,11 +449,13 @@ class OpenAIServer:
             raise APIError(400, f"n={body.n} is more than this server holds at once ({self.max_requests}): ask for "
                                 "fewer choices", param="n")
         job_id = f"{prefix}-{uuid.uuid4().hex}"
-        answers = [Answer(f"{job_id}-{index}", self.tokenizer, body.stop, self.eos_ids) for index in range(body.n)]
+        eos_ids = (frozenset() if body.ignore_eos else self.eos_ids) | frozenset(body.stop_token_ids or ())
+        answers = [Answer(f"{job_id}-{index}", self.tokenizer, body.stop, eos_ids) for index in range(body.n)]
         job = Job(job_id, prompt_tokens, answers, self.engine.cancel)
         new_tokens = max_tokens or room
+        ends = {"eos_token_id": sorted(eos_ids)} if eos_ids != self.eos_ids else {}
         # Each choice its own seed, so that seeded choices differ from each other and repeat across requests.
-        settings = [{"max_new_tokens": new_tokens, "stop_strings": body.stop, **body.sampling(),
+        settings = [{"max_new_tokens": new_tokens, "stop_strings": body.stop, **body.sampling(), **ends,
                      **({} if body.seed is None else {"seed": (body.seed + index) % 2**32})} for index in range(body.n)]
         rendered = time.perf_counter()
         refusal = await self.engine.submit(job_id, [answer.request_id for answer in answers], inputs, settings,

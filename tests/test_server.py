@@ -182,6 +182,16 @@ def test_greedy_answers_equal_generate(server, client, reference, image_host):
     assert penalized != text and client.chat.completions.create(
         model=NAME, messages=user("Hello there"), max_tokens=12, temperature=0,
         extra_body={"repetition_penalty": 1.5}).choices[0].message.content == penalized
+    # vLLM's stop_token_ids end the answer at the first of them ("stop"); ignore_eos leaves the checkpoint's EOS out.
+    stop_at = next(index for index in range(1, len(new)) if new[index] not in new[:index])
+    for extra in ({"stop_token_ids": [new[stop_at]]}, {"stop_token_ids": [new[stop_at]], "ignore_eos": True}):
+        stopped = client.chat.completions.create(model=NAME, messages=user("Hello there"), max_tokens=12,
+                                                 temperature=0, extra_body=extra)
+        assert (stopped.usage.completion_tokens, stopped.choices[0].finish_reason) == (stop_at + 1, "stop")
+        assert text.startswith(stopped.choices[0].message.content)
+    unended = client.chat.completions.create(model=NAME, messages=user("Hello there"), max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert (unended.choices[0].message.content, unended.choices[0].finish_reason) == (text, "length")
     # An image, as a data URL, over HTTP and from the allowed folder: the same answer as `generate` on it.
     red = image(64, 64)
     text = expected(reference, "What is it?", 10, [red])[0]
@@ -284,6 +294,8 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, client, i
             (400, "top_p", {"json": {"messages": user("Hi"), "top_p": 2}}),
             (400, "presence_penalty: Input should be less than or equal to 2",
              {"json": {"messages": user("Hi"), "presence_penalty": 3}}),
+            (400, "stop_token_ids.0: Input should be greater than or equal to 0",
+             {"json": {"messages": user("Hi"), "stop_token_ids": [-1]}}),
             (400, "Unknown model 'gpt-4'", {"json": {"model": "gpt-4", "messages": user("Hi")}}),
             (400, "The prompt is 1", {"json": {"messages": user("x" * CACHE_LEN)}}),
             (400, "max_tokens=5000 does not fit", {"json": {"messages": user("Hi"), "max_tokens": 5000}}),
