@@ -23,22 +23,17 @@ from qwen3vl_static.decoder_qwen3vl_graph import decoder_layers
 
 
 class Setup:
-    """`rows` decoding rows of `context` cached tokens each (rows 0..rows-1), and a `tokens`-token prompt for the row
-    after them, on `model`'s engine."""
+    """`rows` decoding rows of `context` cached tokens each (rows 0..rows-1), and a prompt for the row after them
+    (`prompt`), on `model`'s engine."""
 
-    def __init__(self, model, rows: int, context: int, tokens: int, generator):
+    def __init__(self, model, rows: int, context: int, generator):
         engine = model.graph_engine()
-        self.engine, self.rows, self.tokens = engine, rows, tokens
+        self.engine, self.rows, self.generator = engine, rows, generator
         self.decode, self.prefill, self.ops, self.text = engine.decode, engine.prefill, engine.ops, engine.text
-        device, vocab = engine.device, engine.text.embed.shape[0]
-
-        def text(batch, length):
-            ids = torch.randint(0, vocab, (batch, length), generator=generator).to(device)
-            positions = torch.arange(length, device=device).expand(3, batch, length).contiguous()
-            return ids, positions
-
+        self.deepstack_layers = len(model.config.vision_config.deepstack_visual_indexes)
+        device = engine.device
         # The decoding rows' contexts, prefilled (eagerly, at their exact size) into cache rows 0..rows-1.
-        ids, positions = text(rows, context)
+        ids, positions = self.text_prompt(rows, context)
         cache_rows = torch.arange(rows, device=device)
         self.prefill.run(ids, None, positions, torch.zeros_like(ids), rows=cache_rows)
         decode = self.decode
@@ -47,17 +42,27 @@ class Setup:
                      torch.ones(rows, context, dtype=torch.long, device=device))
         decode.continue_rows(rows, context)
         self.kv_len = next(size for size in decode.cache_buckets if size > context)
-        # The prompt: static tensors, as a prefill graph's buffers would hold them.
-        self.ids, self.positions = text(1, tokens)
-        hidden = engine.text.embed.shape[1]
+        self.decode_logits = self.prompt_logits = None
+
+    def text_prompt(self, batch: int, length: int) -> tuple:
+        """Random token ids `(batch, length)` and their text M-RoPE positions, on the device."""
+        device, vocab = self.engine.device, self.text.embed.shape[0]
+        ids = torch.randint(0, vocab, (batch, length), generator=self.generator).to(device)
+        return ids, torch.arange(length, device=device).expand(3, batch, length).contiguous()
+
+    def prompt(self, tokens: int) -> None:
+        """A fresh `tokens`-token text prompt for the row after the decoding rows: static tensors, as a prefill
+        graph's buffers would hold them."""
+        device = self.engine.device
+        self.tokens = tokens
+        self.ids, self.positions = self.text_prompt(1, tokens)
         self.modality = torch.zeros_like(self.ids)
-        self.visual = torch.zeros(1, hidden, device=device, dtype=engine.dtype)
-        self.deepstack = [self.visual] * len(model.config.vision_config.deepstack_visual_indexes)
+        self.visual = torch.zeros(1, self.text.embed.shape[1], device=device, dtype=self.engine.dtype)
+        self.deepstack = [self.visual] * self.deepstack_layers
         self.attendable = torch.ones(1, tokens, dtype=torch.bool, device=device)
         self.start = torch.zeros(1, dtype=torch.long, device=device)
         self.last = torch.full((1,), tokens - 1, dtype=torch.long, device=device)
-        self.row = torch.full((1,), rows, dtype=torch.long, device=device)
-        self.decode_logits = self.prompt_logits = None
+        self.row = torch.full((1,), self.rows, dtype=torch.long, device=device)
 
     def decode_step(self):
         self.decode_logits = self.decode.forward(self.rows, self.kv_len)
@@ -119,7 +124,9 @@ def check() -> None:
     torch.manual_seed(0)
     model = Qwen3VLGraphForConditionalGeneration(tiny_config(static_cache_len=64, max_batch_size=4)).eval()
     with torch.no_grad():
-        result = compare(Setup(model, rows=3, context=20, tokens=16, generator=torch.Generator().manual_seed(1)))
+        setup = Setup(model, rows=3, context=20, generator=torch.Generator().manual_seed(1))
+        setup.prompt(16)
+        result = compare(setup)
     print(result)
     assert result["decode_argmax_equal"] == 1.0 and max(
         result[key] for key in ("decode_logits_relative_error", "prompt_logits_relative_error",
@@ -148,8 +155,9 @@ def measure(args) -> None:
     results = []
     with torch.no_grad():
         for rows in args.batches:
+            setup = Setup(model, rows, args.context, torch.Generator().manual_seed(rows))
             for tokens in args.prompt_tokens:
-                setup = Setup(model, rows, args.context, tokens, torch.Generator().manual_seed(rows + tokens))
+                setup.prompt(tokens)
                 row = {"decode_rows": rows, "context": args.context, "prompt_tokens": tokens, **compare(setup)}
                 capturer = setup.engine.capturer
                 for name, step in (("decode_ms", setup.decode_step), ("prefill_ms", setup.prefill_step),
@@ -158,8 +166,8 @@ def measure(args) -> None:
                 row["mixed_saves_ms"] = row["both_ms"] - row["mixed_ms"]
                 print(row, flush=True)
                 results.append(row)
-                del setup
-                torch.cuda.empty_cache()
+            del setup
+            torch.cuda.empty_cache()
     harness.write_json({"rows": results})
 
 
