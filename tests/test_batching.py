@@ -153,8 +153,8 @@ class OpenAIPenalties(LogitsProcessor):
 def test_penalties_per_request_equal_generate_alone():
     """Repetition (transformers': prompt and answer), presence and frequency penalties (OpenAI's: the answer), each
     request its own, beside requests without any: each greedy answer is `generate`'s with the same penalties alone,
-    and they change the answers; a sampled request with a penalty draws the same alone or among others; the
-    generation config's repetition penalty is every request's default."""
+    and they change the answers, also when long prompts enter in chunks; a sampled request with a penalty draws the
+    same alone or among others; the generation config's repetition penalty is every request's default."""
     ours, stock = new_pair()
     penalties = [{"repetition_penalty": 1.5}, {"presence_penalty": 1.5, "frequency_penalty": 0.5}, {},
                  {"repetition_penalty": 0.7, "frequency_penalty": 2.0}]
@@ -180,6 +180,9 @@ def test_penalties_per_request_equal_generate_alone():
     alone = ours.generate_batch([sampled], progress_bar=False)["req_0"].generated_tokens
     among = ours.generate_batch([requests[2], sampled, requests[0]], progress_bar=False)["req_1"].generated_tokens
     assert among == alone
+    # Prompts longer than the prefill budget enter a chunk per turn, their rows parked beside penalized rows.
+    chunked = ours.init_continuous_batching(max_prefill_tokens=12).generate_all(requests[:4], progress_bar=False)
+    assert [result.generated_tokens for result in chunked.values()] == expected[:4]
 
     ours.generation_config.repetition_penalty = 1.5
     inputs = build(TEXT)
