@@ -83,7 +83,8 @@ class Penalties:
         return scores.to(logits.dtype)
 
     def count(self, rows, tokens: torch.Tensor) -> None:
-        """One more of each of `tokens` `(b,)` in the answers of `rows` (a slice or an index tensor of distinct rows)."""
+        """One more of each of `tokens` `(b,)` in the answers of `rows` (a slice, or an index tensor of distinct
+        rows)."""
         if isinstance(rows, slice):
             self.counts[rows].scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.int32))
         else:

@@ -160,6 +160,23 @@ class _Generation(_Body):
 class ChatRequest(_Generation):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # Features this server does not have, which some clients send switched off: taken when off, refused when on.
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+
+    @field_validator("logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format")
+    @classmethod
+    def _off(cls, value, info):
+        if value in (None, False, 0, [], {}, "none") or (info.field_name == "response_format"
+                                                          and value == {"type": "text"}):
+            return value
+        raise ValueError("not supported by this server, only switched off (null, false, 0, [], {}, \"none\"; "
+                         "response_format {\"type\": \"text\"})")
 
 
 class CompletionRequest(_Generation):

@@ -175,6 +175,10 @@ def test_greedy_answers_equal_generate(server, client, reference, image_host):
     assert answer.choices[0].message.content == text and answer.choices[0].message.role == "assistant"
     assert answer.choices[0].finish_reason == "length"
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (prompt_tokens, len(new))
+    # Features switched off, as some clients send them, are taken.
+    assert client.chat.completions.create(
+        model=NAME, messages=user("Hello there"), max_tokens=12, temperature=0, logprobs=False, tools=[],
+        tool_choice="none", response_format={"type": "text"}, logit_bias={}).choices[0].message.content == text
     # Penalties: OpenAI's at 0 (as many clients send them) change nothing; vLLM's repetition_penalty is transformers'.
     assert client.chat.completions.create(model=NAME, messages=user("Hello there"), max_tokens=12, temperature=0,
                                           presence_penalty=0, frequency_penalty=0).choices[0].message.content == text
@@ -284,7 +288,12 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(server, client, i
             (400, "not JSON", {"content": b"{"}),
             (400, "JSON object", {"json": ["a list"]}),
             (400, "messages: Field required", {"json": {"model": NAME}}),
-            (400, "tools: not supported", {"json": {"messages": user("Hi"), "tools": []}}),
+            (400, "tools: Value error, not supported by this server, only switched off",
+             {"json": {"messages": user("Hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}}),
+            (400, "logprobs: Value error, not supported", {"json": {"messages": user("Hi"), "logprobs": True}}),
+            (400, "response_format: Value error", {"json": {"messages": user("Hi"),
+                                                            "response_format": {"type": "json_object"}}}),
+            (400, "functions: not supported", {"json": {"messages": user("Hi"), "functions": []}}),
             (400, "content.parts.0: Input tag 'video'", {"json": {"messages": [
                 {"role": "user", "content": [{"type": "video", "video": "x"}]}]}}),
             (400, "content.parts.0.image_url.url: Field required", {"json": {"messages": [

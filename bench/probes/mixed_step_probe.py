@@ -113,7 +113,8 @@ def compare(setup) -> dict:
 
     return {"decode_logits_relative_error": relative(setup.decode_logits, decode_logits),
             "prompt_logits_relative_error": relative(setup.prompt_logits, prompt_logits),
-            "decode_argmax_equal": (setup.decode_logits.float().argmax(-1) == decode_logits.argmax(-1)).float().mean().item(),
+            "decode_argmax_equal": (setup.decode_logits.float().argmax(-1) == decode_logits.argmax(-1)).float()
+            .mean().item(),
             "cache_relative_error": max(relative(got, expected) for got, expected in zip(setup.cache_rows(), written))}
 
 
