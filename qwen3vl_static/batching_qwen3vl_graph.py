@@ -54,7 +54,7 @@ from .compat_qwen3vl_graph import generate_position_ids, media_features, prompt_
 from .decode_qwen3vl_graph import PENALIZED, split_mode
 from .loops_qwen3vl_graph import TOP_K_CANDIDATES, first_tokens
 from .runner_qwen3vl_graph import bucket_of, collected, copy_to_host
-from .scheduler_qwen3vl_graph import Scheduler, Sequence
+from .scheduler_qwen3vl_graph import NO_PENALTIES, Scheduler, Sequence
 
 logger = logging.get_logger(__name__)
 
@@ -565,7 +565,7 @@ class GraphBatchingManager:
             raise ValueError(f"Sampling settings out of range: temperature={temperature} (>= 0), top_k={top_k} "
                              f"(>= 0), top_p={top_p} (in (0, 1]), min_p={min_p} (in [0, 1]).")
         repetition, presence, frequency = (float(none if value(key) is None else value(key))
-                                           for key, none in zip(PENALTIES, (1.0, 0.0, 0.0)))
+                                           for key, none in zip(PENALTIES, NO_PENALTIES))
         if not (0 < repetition < math.inf and math.isfinite(presence) and math.isfinite(frequency)):
             raise ValueError(f"Penalties out of range: repetition_penalty={repetition} (> 0; 1: none), "
                              f"presence_penalty={presence} and frequency_penalty={frequency} (finite; 0: none).")
@@ -811,7 +811,7 @@ def _event() -> torch.cuda.Event:
 
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:
     """`tensor` on `device` without waiting for the device's queued work (pinned first); a CUDA tensor is taken as is
-(`_prepare` keeps a request's tensors on the host: one on the device was moved there here)."""
+    (`_prepare` keeps a request's tensors on the host: one on the device was moved there here)."""
     if torch.device(device).type != "cuda":
         return tensor.to(device)
     if tensor.is_cuda:

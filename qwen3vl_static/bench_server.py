@@ -79,10 +79,10 @@ def server_main(argv=None) -> None:
     parser.add_argument("--model", default="2b")
     parser.add_argument("--api-server-count", type=int)
     args = parser.parse_args(argv)
-    from .server import default_api_servers, serve
+    from .server import serve
 
     serve(partial(bench_model, args.model), partial(bench_processor, args.model), NAME, port=args.port,
-          api_servers=args.api_server_count or default_api_servers())
+          api_servers=args.api_server_count)
 
 
 def image_url(generator: np.random.Generator) -> str:

@@ -348,12 +348,12 @@ def _serve(args) -> int:
 
     from .dataset_runner import load_processor
     from .media import MediaLimits
-    from .server import ServerLimits, default_api_servers, serve
+    from .server import ServerLimits, serve
 
     mib = 2**20
-    serve(partial(load_for_serving, args.model, str(_device(args)), args.cache_len), partial(load_processor, args.model),
-          args.served_model_name or args.model, host=args.host, port=args.port, api_servers=args.api_server_count or default_api_servers(),
-          max_batch_size=args.slots, api_key=args.api_key,
+    serve(partial(load_for_serving, args.model, str(_device(args)), args.cache_len),
+          partial(load_processor, args.model), args.served_model_name or args.model, host=args.host, port=args.port,
+          api_servers=args.api_server_count, max_batch_size=args.slots, api_key=args.api_key,
           limits=ServerLimits(max_waiting=args.max_waiting, max_body_bytes=int(args.max_request_mb * mib),
                               max_images=args.max_images),
           media=MediaLimits(max_bytes=int(args.max_image_mb * mib), max_pixels=args.max_image_pixels,

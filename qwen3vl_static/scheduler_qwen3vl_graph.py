@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
+NO_PENALTIES = (1.0, 0.0, 0.0)  # a request's repetition, presence and frequency penalties when it sets none
+
 
 @dataclass(eq=False)  # compared and hashed by identity
 class Sequence:
@@ -37,7 +39,7 @@ class Sequence:
     stop_strings: tuple = ()
     sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, min_p, seed (the runner's row buffers)
     do_sample: bool = False
-    penalties: tuple = (1.0, 0.0, 0.0)  # repetition, presence, frequency (none)
+    penalties: tuple = NO_PENALTIES  # repetition, presence, frequency
     streaming: bool = False
     row: int | None = None
     length: int = 0  # cache slots its row holds (prompt, then one per step)
@@ -62,7 +64,7 @@ class Sequence:
 
     @property
     def penalized(self) -> bool:
-        return self.penalties != (1.0, 0.0, 0.0)
+        return self.penalties != NO_PENALTIES
 
     @property
     def mode(self) -> str:

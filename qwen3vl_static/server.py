@@ -582,19 +582,18 @@ def _choice(chat: bool, index: int, text: str, finish_reason: str | None, delta:
     return {"index": index, "delta" if delta else "message": message, "logprobs": None, "finish_reason": finish_reason}
 
 
-
-
 def default_api_servers() -> int:
     """HTTP processes: one per four cores, one to four (the engine process keeps a core and its GPU's host work)."""
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_servers: int = 1, max_batch_size: int | None = None, **settings) -> None:
+          api_servers: int | None = None, max_batch_size: int | None = None, **settings) -> None:
     """Serve the model `build_model()` returns with the processor `build_processor()` returns (both picklable
     callables: they run in the processes started here; `max_batch_size`: the batch's rows, None: sized from memory)
-    from one engine process and `api_servers` HTTP processes until SIGINT / SIGTERM, which drain them (`settings`:
-    `OpenAIServer`'s)."""
+    from one engine process and `api_servers` HTTP processes (None: `default_api_servers()`) until SIGINT / SIGTERM,
+    which drain them (`settings`: `OpenAIServer`'s)."""
+    api_servers = api_servers or default_api_servers()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     context = multiprocessing.get_context("spawn")  # nothing of this process (threads, CUDA) goes along
     limits = settings.get("limits", ServerLimits())
