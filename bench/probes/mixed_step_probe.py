@@ -153,7 +153,7 @@ def measure(args) -> None:
     rows_needed = max(args.batches) + 1
     model = build_ours(torch.device("cuda"), torch.bfloat16, max_batch_size=rows_needed,
                        static_cache_len=max(max(args.prompt_tokens), args.context + 64))
-    results = []
+    results, graphs = [], []  # every graph kept: a graph pool whose graphs are all gone cannot take a new capture
     with torch.no_grad():
         for rows in args.batches:
             setup = Setup(model, rows, args.context, torch.Generator().manual_seed(rows))
@@ -163,7 +163,8 @@ def measure(args) -> None:
                 capturer = setup.engine.capturer
                 for name, step in (("decode_ms", setup.decode_step), ("prefill_ms", setup.prefill_step),
                                    ("both_ms", setup.both), ("mixed_ms", setup.mixed_step)):
-                    row[name] = replay_ms(capturer.capture(step, name=f"{name} {rows} x {tokens}"))
+                    graphs.append(capturer.capture(step, name=f"{name} {rows} x {tokens}"))
+                    row[name] = replay_ms(graphs[-1])
                 row["mixed_saves_ms"] = row["both_ms"] - row["mixed_ms"]
                 print(row, flush=True)
                 results.append(row)
