@@ -4,13 +4,10 @@ Not uploaded to the Hub.
 Why processes (vLLM's API-server / engine-core split): in one process the event loop's HTTP, JSON, image decoding,
 processor runs and per-token streaming take the interpreter lock that the batch's thread needs between chunks, so at
 many clients the batch waits on the host. Here the engine process runs only the batch and two light threads: one
-reads the requests of every HTTP process (`EngineProcess` starts it; messages are pickled tuples, tensors as their
-bytes); the other, an asyncio loop, adds them to the manager and sends each HTTP process the outputs of a chunk in one
-message, tokens new since the last. The HTTP processes hold an `EngineClient` each.
-
-Image patches cross in the vision tower's dtype (`EngineInfo.pixel_dtype`), cast in the HTTP process that made them:
-the tower's first operation on them is that same cast, so the engine's input is what the model would have made of
-the processor's float32, at half of float32's bytes (bfloat16), and the engine does no work on them on the host.
+reads the requests of every HTTP process (`EngineProcess` starts it; messages are pickled tuples), normalizing image
+patches that cross as uint8 (`pixels.py`: a quarter of float32's bytes); the other, an asyncio loop, adds them to the
+manager and sends each HTTP process the outputs of a chunk in one message, tokens new since the last. The HTTP
+processes hold an `EngineClient` each.
 
 Messages, HTTP process -> engine: ("submit", job id, request ids, model inputs, per-choice settings), ("cancel", request
 id), ("stats", token). Engine -> HTTP process: ("submitted", job id, refusal or None), ("outputs", [(request id,
@@ -34,6 +31,8 @@ import numpy as np
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from .pixels import PixelNormalizer
+
 logger = logging.getLogger(__name__)
 
 # The batch's thread must get the interpreter lock back soon after each wait for the GPU: Python's default switch
@@ -41,7 +40,6 @@ logger = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
 POLL_S = 0.5  # how often a waiting process checks that the other side is alive
 ENDED = (RequestStatus.FINISHED, RequestStatus.FAILED)
-PIXEL_INPUTS = ("pixel_values", "pixel_values_videos")
 
 
 @dataclass(frozen=True)
@@ -52,13 +50,7 @@ class EngineInfo:
     reserved: int  # slots of a row that steps past a request's end may write
     max_requests: int  # running and waiting choices at once (rows + max_waiting); past it: 503
     eos_ids: frozenset
-    pixel_dtype: str  # what the vision tower casts image patches to first (a `torch` dtype's name)
-
-    def cast_pixels(self, inputs: dict) -> dict:
-        """The processor's `inputs` with their image and video patches in `pixel_dtype` (the tower's own first
-        operation on them, so nothing changes but the bytes that cross)."""
-        dtype = getattr(torch, self.pixel_dtype)
-        return {key: value.to(dtype) if key in PIXEL_INPUTS else value for key, value in inputs.items()}
+    uint8_pixels: bool  # image patches cross unnormalized, as uint8 (`PixelNormalizer`)
 
 
 class EngineProcess:
@@ -111,23 +103,25 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
         manager = model.init_continuous_batching(max_batch_size=max_batch_size,
                                                  tokenizer=getattr(processor, "tokenizer", processor))
         engine = model.graph_engine()
+        normalizer = PixelNormalizer.for_processor(processor)
         eos = model.generation_config.eos_token_id
         info = EngineInfo(row_slots=engine.cache.capacity, reserved=manager.past_end(engine),
                           max_requests=engine.cache.rows + max_waiting,
                           eos_ids=frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos),
-                          pixel_dtype=str(model.model.visual.patch_embed.proj.weight.dtype).removeprefix("torch."))
+                          uint8_pixels=normalizer is not None)
     except Exception as error:  # noqa: BLE001 - reported to the first process, which raises it
         control.send(("failed", f"{type(error).__name__}: {error}"))
         return
     logger.info("engine process [%d]: %d rows of %d slots; image patches cross as %s", os.getpid(), engine.cache.rows,
-                engine.cache.capacity, info.pixel_dtype)
+                engine.cache.capacity, "uint8, normalized here" if normalizer is not None else
+                "float32 (the processor's own)")
     control.send(("ready", info))
-    asyncio.run(_Engine(manager, info.max_requests, connections).run(control))
+    asyncio.run(_Engine(manager, normalizer, info.max_requests, connections).run(control))
 
 
 class _Engine:
-    def __init__(self, manager, max_requests: int, connections: list):
-        self.manager, self.max_requests = manager, max_requests
+    def __init__(self, manager, normalizer, max_requests: int, connections: list):
+        self.manager, self.normalizer, self.max_requests = manager, normalizer, max_requests
         self.connections = connections
         self.owner = {}  # request id -> the index of the HTTP process that sent it
         self.sent = {}  # request id -> how many of its tokens were sent
@@ -176,11 +170,15 @@ class _Engine:
                 if message[0] == "stop":
                     return
 
-    @staticmethod
-    def _tensors(message: tuple) -> tuple:
-        """A submission's tensors as `add_request` takes them."""
+    def _tensors(self, message: tuple) -> tuple:
+        """A submission's arrays as the tensors `add_request` takes, uint8 patches normalized."""
         kind, job_id, request_ids, inputs, settings = message
-        return kind, job_id, request_ids, {key: from_wire(value) for key, value in inputs.items()}, settings
+        tensors = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+                   for key, value in inputs.items()}
+        for key in ("pixel_values", "pixel_values_videos"):
+            if key in tensors and tensors[key].dtype == torch.uint8:
+                tensors[key] = self.normalizer(tensors[key])
+        return kind, job_id, request_ids, tensors, settings
 
     # -- the loop -------------------------------------------------------------------------------------------
 
@@ -281,8 +279,8 @@ class EngineClient:
             return 503, f"The model's batch has stopped on an error: {self.error}"
         for request_id, handler in zip(request_ids, handlers):
             self._requests[request_id] = (handler, [])
-        wired = {key: to_wire(value) for key, value in inputs.items()}
-        refusal = await self._ask(job_id, ("submit", job_id, request_ids, wired, settings), self._gone_refusal())
+        arrays = {key: value.numpy() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+        refusal = await self._ask(job_id, ("submit", job_id, request_ids, arrays, settings), self._gone_refusal())
         if refusal is not None:
             for request_id in request_ids:
                 self._requests.pop(request_id, None)
@@ -360,32 +358,3 @@ class EngineClient:
         for request_id, (handler, tokens) in requests.items():
             handler(GenerationOutput(request_id=request_id, generated_tokens=list(tokens), status=RequestStatus.FAILED,
                                      error=f"the continuous batch stopped: {self.error}"))
-
-
-# -- tensors through a pipe ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WiredTensor:
-    """A tensor as pickle carries it cheaply: its bytes (numpy pickles them in one copy; torch's own pickling is
-    slower, and numpy has no bfloat16) and its dtype's name."""
-
-    data: np.ndarray  # its bytes, uint8, one dimension
-    dtype: str
-    shape: tuple
-
-
-def to_wire(value):
-    """`value` ready to pickle: a tensor as a `WiredTensor`, anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    value = value.detach().cpu()
-    return WiredTensor(value.reshape(-1).view(torch.uint8).numpy(), str(value.dtype).removeprefix("torch."),
-                       tuple(value.shape))
-
-
-def from_wire(value):
-    """What `to_wire` took, as a tensor again (sharing the unpickled bytes)."""
-    if not isinstance(value, WiredTensor):
-        return value
-    return torch.from_numpy(value.data).view(getattr(torch, value.dtype)).view(value.shape)

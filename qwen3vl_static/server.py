@@ -42,6 +42,7 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 
 from .engine_process import EngineClient, EngineProcess
 from .media import MediaError, MediaLimits, decode_image, fetch_image_data
+from .pixels import PixelNormalizer, as_uint8
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +304,8 @@ class Job:
 
 
 class OpenAIServer:
-    """The endpoints of one HTTP process over the engine process's batch (`app()`: the FastAPI application)."""
+    """The endpoints of one HTTP process over the engine process's batch (`app()`: the FastAPI application). Where the
+    engine takes image patches as uint8, this process's processor leaves them unnormalized (`PixelNormalizer`)."""
 
     def __init__(self, engine: EngineClient, processor, model_name: str, api_key: str | None = None,
                  limits: ServerLimits = ServerLimits(), media: MediaLimits = MediaLimits()):
@@ -313,6 +315,8 @@ class OpenAIServer:
         # A row holds the prompt, the answer and the steps a row may run past its end.
         self.row_slots, self.reserved = engine.info.row_slots, engine.info.reserved
         self.max_requests, self.eos_ids = engine.info.max_requests, engine.info.eos_ids
+        if engine.info.uint8_pixels:
+            PixelNormalizer.raw(processor.image_processor)
         self.created = int(time.time())
         self.http = None  # the client that fetches image URLs, open while the app runs
 
@@ -431,11 +435,9 @@ class OpenAIServer:
             raise APIError(400, f"Image {number}: {error}", param="messages") from None
 
     async def _render(self, messages) -> dict:
-        """The model inputs of a chat whose images are still encoded (`render_chat`), off the event loop, image patches
-        in the dtype the engine takes."""
+        """The model inputs of a chat whose images are still encoded (`render_chat`), off the event loop."""
         try:
-            return await asyncio.to_thread(
-                lambda: self.engine.info.cast_pixels(render_chat(self.processor, self.media, messages)))
+            return await asyncio.to_thread(render_chat, self.processor, self.media, messages)
         except MediaError as error:
             raise APIError(400, str(error), param="messages") from None
         except Exception as error:  # noqa: BLE001 - what the model's chat template or processor refuses
@@ -474,6 +476,11 @@ class OpenAIServer:
         # Each choice its own seed, so that seeded choices differ from each other and repeat across requests.
         settings = [{"max_new_tokens": new_tokens, "stop_strings": body.stop, **body.sampling(), **ends,
                      **({} if body.seed is None else {"seed": (body.seed + index) % 2**32})} for index in range(body.n)]
+        if self.engine.info.uint8_pixels and "pixel_values" in inputs:
+            patches = as_uint8(inputs["pixel_values"])
+            if patches is None:  # the engine's start-up check found them whole: a processor that changed since
+                raise RuntimeError("the processor's unnormalized image patches are not whole numbers")
+            inputs = {**inputs, "pixel_values": patches}
         rendered = time.perf_counter()
         refusal = await self.engine.submit(job_id, [answer.request_id for answer in answers], inputs, settings,
                                            [partial(self._deliver, job, index) for index in range(body.n)])

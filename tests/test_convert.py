@@ -26,7 +26,8 @@ from qwen3vl_static.presets import tiny_inputs
 
 # Package files that stay home; every other module is needed by the custom code on the Hub.
 HOME_ONLY = {"__init__.py", "__main__.py", "auto_classes.py", "checkpoints.py", "cli.py", "convert.py", "dataset_runner.py",
-             "engine_process.py", "fp8_quantize.py", "media.py", "presets.py", "server.py", "workloads.py"}
+             "engine_process.py", "fp8_quantize.py", "media.py", "pixels.py", "presets.py", "server.py",
+             "workloads.py"}
 PACKAGE = Path(qwen3vl_static.__file__).parent
 HUB_MODULES = {
     path.name for path in PACKAGE.glob("*.py") if path.name not in HOME_ONLY and not path.name.startswith("bench")

@@ -11,12 +11,11 @@ import pytest
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-from conftest import chat, image, new_pair
-from qwen3vl_static.compat_qwen3vl_graph import media_features
-from qwen3vl_static.engine_process import EngineClient, EngineInfo, WiredTensor, _Engine, to_wire
-from qwen3vl_static.presets import tiny_inputs
+from qwen3vl_static.engine_process import EngineClient, EngineInfo, _Engine
+from qwen3vl_static.pixels import PixelNormalizer
 
-INFO = EngineInfo(row_slots=64, reserved=16, max_requests=3, eos_ids=frozenset([2]), pixel_dtype="bfloat16")
+NORMALIZER = PixelNormalizer(rescale_factor=1 / 255, mean=(0.5,) * 3, std=(0.5,) * 3, channels_fused=True)
+INFO = EngineInfo(row_slots=64, reserved=16, max_requests=3, eos_ids=frozenset([2]), uint8_pixels=True)
 TIMEOUT_S = 30
 
 
@@ -58,7 +57,7 @@ def engine():
     control, engine_control = multiprocessing.Pipe()
     manager = StandInManager()
     runner = threading.Thread(target=lambda: asyncio.run(
-        _Engine(manager, INFO.max_requests, [end for _, end in pipes]).run(engine_control)), daemon=True)
+        _Engine(manager, NORMALIZER, INFO.max_requests, [end for _, end in pipes]).run(engine_control)), daemon=True)
     runner.start()
     yield manager, control, [front for front, _ in pipes]
     control.send(("stop",))
@@ -75,9 +74,9 @@ async def eventually(condition):
         await asyncio.sleep(0.01)
 
 
-def test_requests_cross_with_their_settings_and_tensors_bit_for_bit(engine):
+def test_requests_cross_with_their_settings_and_uint8_patches_normalized(engine):
     manager, _, connections = engine
-    patches = torch.randn(4, 3 * 8).to(torch.bfloat16)
+    patches = torch.randint(0, 256, (4, 3 * 8), dtype=torch.uint8)
 
     async def main():
         client = EngineClient(connections[0], INFO)
@@ -93,26 +92,8 @@ def test_requests_cross_with_their_settings_and_tensors_bit_for_bit(engine):
     first = manager.added["job-0"]
     assert first["streaming"] and first["max_new_tokens"] == 4 and first["seed"] == 1
     assert manager.added["job-1"]["seed"] == 2
-    assert first["input_ids"].dtype == torch.int64 and torch.equal(first["input_ids"], torch.tensor([[5, 6, 7]]))
-    assert first["pixel_values"].dtype == torch.bfloat16 and torch.equal(first["pixel_values"], patches)
-
-
-def test_patches_cast_to_the_towers_dtype_where_they_are_made_change_nothing_the_model_computes():
-    """The HTTP processes send image patches in the tower's dtype: the model's first operation on them is that
-    cast, so its image features and its answer are the same bit for bit as from the processor's float32."""
-    model = new_pair()[0].to(torch.bfloat16)
-    inputs = tiny_inputs([[chat("image", "Describe it.")]], images=[image(70, 45)])
-    info = EngineInfo(row_slots=160, reserved=16, max_requests=4, eos_ids=frozenset(),
-                      pixel_dtype=str(model.model.visual.patch_embed.proj.weight.dtype).removeprefix("torch."))
-    cast = info.cast_pixels(inputs)
-    assert inputs["pixel_values"].dtype == torch.float32 and cast["pixel_values"].dtype == torch.bfloat16
-    assert torch.equal(cast["input_ids"], inputs["input_ids"])
-    with torch.no_grad():
-        (_, _, features, deepstack), (_, _, cast_features, cast_deepstack) = (
-            media_features(model, given)[0] for given in (inputs, cast))  # what the batch's prefill takes
-        assert torch.equal(features, cast_features) and all(map(torch.equal, deepstack, cast_deepstack))
-        answers = [model.generate(**given, max_new_tokens=6, do_sample=False) for given in (inputs, cast)]
-    assert torch.equal(answers[0], answers[1])
+    assert torch.equal(first["input_ids"], torch.tensor([[5, 6, 7]]))
+    assert first["pixel_values"].dtype == torch.float32 and torch.equal(first["pixel_values"], NORMALIZER(patches))
 
 
 def test_outputs_reach_their_own_client_with_every_token_so_far(engine):
@@ -149,7 +130,7 @@ def test_the_queue_bound_counts_every_clients_requests_and_bad_inputs_fail_alone
         assert await first.submit("a", ["a-0", "a-1"], ids, [{}, {}], [lambda _: None] * 2) is None
         status, message = await second.submit("b", ["b-0", "b-1"], ids, [{}, {}], [lambda _: None] * 2)
         assert status == 503 and "The server is full: 2 requests" in message and "at most 3" in message
-        odd = {**ids, "pixel_values": WiredTensor(np.zeros(7, np.uint8), "float32", (7,))}  # 7 bytes: no float32
+        odd = {**ids, "pixel_values": torch.zeros(2, 7, dtype=torch.uint8)}  # 7 values: not 3 channels' worth
         status, message = await second.submit("c", ["c-0"], odd, [{}], [lambda _: None])
         assert status == 400 and "could not be read" in message
         assert await second.submit("d", ["d-0"], ids, [{}], [lambda _: None]) is None
@@ -168,7 +149,7 @@ def test_a_client_gone_cancels_its_requests_only(engine):
     # The first client played by hand (an EngineClient's threads would hold its pipe open), the second an EngineClient.
 
     def submit(connection, job_id, request_ids):
-        connection.send_bytes(pickle.dumps(("submit", job_id, request_ids, {"input_ids": to_wire(torch.ones(1, 1))},
+        connection.send_bytes(pickle.dumps(("submit", job_id, request_ids, {"input_ids": np.ones((1, 1), np.int64)},
                                             [{}] * len(request_ids))))
         assert pickle.loads(connection.recv_bytes()) == ("submitted", job_id, None)
 

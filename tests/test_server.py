@@ -351,7 +351,7 @@ def test_models_and_health(server, client):
     assert [model.id for model in client.models.list().data] == [NAME]
     assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # no key needed
-    assert "image patches cross as float32" in server.log_text()  # the tiny model's tower
+    assert "image patches cross as uint8, normalized here" in server.log_text()
     assert server.log_text().count("Application startup complete") == 2  # --api-server-count 2
 
 
