@@ -202,11 +202,12 @@ class GraphBatchingManager:
         self._stopping = threading.Event()
         self._thread = None
         self.error = None  # what ended the batch itself, if anything did
-        # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU, decode
-        # steps, row-steps queued (rows covered x steps) and of them held by a request, prefill launches and the
-        # requests they admitted.
-        self.stats = dict.fromkeys(("prefill_ms", "stall_ms", "decode_ms", "host_wait_ms", "chunks", "steps",
-                                    "row_steps", "request_steps", "prefills", "stalls", "admitted"), 0)
+        # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU and
+        # issuing admissions, decode steps, row-steps queued (rows covered x steps) and of them held by a request,
+        # prefill launches (and of them run eagerly for want of a graph) and the requests they admitted.
+        self.stats = dict.fromkeys(("prefill_ms", "stall_ms", "decode_ms", "host_wait_ms", "admit_host_ms", "chunks",
+                                    "steps", "row_steps", "request_steps", "prefills", "eager_prefills", "stalls",
+                                    "admitted"), 0)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -419,7 +420,10 @@ class GraphBatchingManager:
             before = _event() if timed and (entered or scheduler.running) else None
             if entered:
                 stalls = any(not sequence.prefilling for sequence in scheduler.running.values())
+                began, eager = time.perf_counter(), engine.prefill.eager_runs
                 chunk = _Chunk(None, {}, 0, *self._enter(entered, engine, scheduler), stalls=stalls)
+                self.stats["admit_host_ms"] += 1000 * (time.perf_counter() - began)
+                self.stats["eager_prefills"] += engine.prefill.eager_runs - eager
                 self.stats["stalls"] += stalls
             decoding = {row: sequence for row, sequence in scheduler.running.items() if not sequence.prefilling}
             streams = any(sequence.streaming for sequence in decoding.values())

@@ -416,7 +416,9 @@ def report(summary, out_dir: Path) -> Path:
         print_table(server["rows"], ["run", "concurrency", "requests", "output_tokens_per_s", "ttft_ms_p50",
                                      "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "tokens_per_chunk",
                                      "client_cores_busy", "server_cores_busy", "gpu_prefill_busy", "gpu_decode_busy",
-                                     "requests_per_prefill", "engine_cores_busy", "answers_as_asked"])
+                                     "requests_per_prefill", "stall_ms_mean", "prefill_gpu_ms_mean",
+                                     "admit_host_ms_mean", "eager_prefill_share", "engine_cores_busy",
+                                     "answers_as_asked"])
         for key, value in server.items():
             if "_generate" in key:
                 print(f"{key}: {value}")

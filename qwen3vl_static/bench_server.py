@@ -174,7 +174,9 @@ def metrics(base: str) -> dict:
 def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch, how often
     and for how long admissions held up decoding rows (a stream's longest gaps: a stall and the chunk before it), the
-    steps per chunk (the tokens a stream gets at once)."""
+    steps per chunk (the tokens a stream gets at once). Per prefill launch: its GPU time (the vision tower's included),
+    the batch thread's host time issuing it (near the GPU time: admissions are bound by the host) and whether it ran
+    eagerly for want of a graph."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
@@ -182,6 +184,9 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     return {"gpu_prefill_busy": grown("gpu_prefill_seconds_total") / seconds,
             "gpu_decode_busy": grown("gpu_decode_seconds_total") / seconds, "prefills": int(prefills),
             "requests_per_prefill": grown("admitted_requests_total") / max(prefills, 1),
+            "prefill_gpu_ms_mean": 1000 * grown("gpu_prefill_seconds_total") / max(prefills, 1),
+            "admit_host_ms_mean": 1000 * grown("admit_host_seconds_total") / max(prefills, 1),
+            "eager_prefill_share": grown("eager_prefills_total") / max(prefills, 1),
             "stalls_per_s": stalls / seconds, "stall_ms_mean": 1000 * grown("gpu_stall_seconds_total") / max(stalls, 1),
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),

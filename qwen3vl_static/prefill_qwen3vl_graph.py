@@ -81,6 +81,7 @@ class PrefillRunner(GraphRunner):
         self.start = buffer(1)  # the first slot the prompt writes (what the cache already holds)
         self.cache_rows = buffer(cache.rows)  # the cache row of each of the prompt's rows
         self.default_rows = torch.arange(cache.rows, device=device)
+        self.eager_runs = 0  # prompts run eagerly although graphs are on (no bucket fits them): launched from Python
         self.last = buffer(1)
         self.logits = buffer(cache.rows if self.bucketed else 0, text.lm_head.shape[0], dtype=torch.float32)
         self.recorded_layers = ()  # layers whose outputs an EAGLE-3 draft reads (`record_layers`)
@@ -117,6 +118,7 @@ class PrefillRunner(GraphRunner):
         elif key is not None and key[0] != batch:
             key = None  # the bucket's padding rows would write into other requests' rows: the exact size, eagerly
         if key is None:
+            self.eager_runs += self.use_graphs
             if visual is None:  # zero features: the same ops as a multimodal prompt, adding exact zeros
                 visual = self.visual[:1].new_zeros(1, self.visual.shape[1])
                 deepstack = [visual] * self.deepstack.shape[0]

@@ -83,6 +83,8 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
     stats = manager.stats
     assert stats["stalls"] == 5 and stats["stall_ms"] == 0 and stats["chunks"] == len(
         [event for event in events if event[0] == "decode"]) and stats["steps"] == 2 * stats["chunks"]
+    # The batch's thread spent host time issuing each admission; none ran eagerly for want of a graph (CPU: no graphs).
+    assert stats["admit_host_ms"] > 0 and stats["eager_prefills"] == 0
 
 
 def test_rows_stop_at_their_own_eos():

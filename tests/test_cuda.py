@@ -405,6 +405,23 @@ def test_many_mixed_calls_do_not_grow_memory(models):
     assert torch.cuda.memory_allocated() <= baseline + (1 << 20)
 
 
+def test_a_capture_after_every_graph_is_gone():
+    # Graphs are dropped (a draft's recorded layers, vision tables evicted): once none is left, PyTorch has released
+    # their pool, and a capture into it would fail an internal assertion.
+    capturer, values = GraphCapturer(), torch.zeros(4, device="cuda")
+
+    def step():
+        values.add_(1)
+
+    first = capturer.capture(step)
+    del first
+    torch.cuda.synchronize()
+    second = capturer.capture(step)
+    values.zero_()
+    second.replay()
+    assert values.tolist() == [1.0] * 4
+
+
 def test_two_threads_get_correct_outputs(models):
     ours, _ = models
     generator = torch.Generator().manual_seed(6)

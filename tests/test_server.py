@@ -403,6 +403,7 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     assert counters["prefills"] >= 2 and counters["requests_per_prefill"] * counters["prefills"] == 4
     assert counters["decode_steps"] >= 11 and counters["gpu_prefill_busy"] == counters["gpu_decode_busy"] == 0  # CPU
     assert counters["stall_ms_mean"] == 0 and counters["stalls_per_s"] * seconds <= counters["prefills"]
+    assert counters["admit_host_ms_mean"] > 0 and counters["prefill_gpu_ms_mean"] == counters["eager_prefill_share"] == 0
     assert 1 <= counters["steps_per_chunk"] <= 8
     for answer, body in zip(answers, bodies):
         image_part, text_part = body["messages"][0]["content"]
