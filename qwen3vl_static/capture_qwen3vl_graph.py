@@ -32,7 +32,7 @@ logger = logging.get_logger(__name__)
 class GraphCapturer:
     def __init__(self):
         self.pool = None
-        self.graphs = weakref.WeakSet()  # the graphs captured into `pool` that are still alive
+        self.pool_graphs = weakref.WeakSet()  # the graphs captured into `pool` that are still alive
         self.stream = None  # one side stream: each new stream would get its own cuBLAS workspace
 
     def capture(self, step, state=(), name: str = "graph") -> torch.cuda.CUDAGraph:
@@ -49,14 +49,14 @@ class GraphCapturer:
                 for _ in range(2):
                     step()
             torch.cuda.current_stream().wait_stream(stream)
-            if not self.graphs:  # PyTorch releases a pool once its graphs are gone and asserts on a capture into it
+            if not self.pool_graphs:  # PyTorch releases a pool once its graphs are gone and asserts on a capture into it
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # Thread-local: CUDA work of the process's other threads (a caller preparing its next request while
             # continuous batching captures) neither breaks the capture nor lands in the graph.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # records; runs nothing
                 step()
-        self.graphs.add(graph)
+        self.pool_graphs.add(graph)
         seconds = time.perf_counter() - began
         message = f"Captured the {name} graph in {seconds:.2f} s"
         if seconds > 1:  # the first capture compiles the Triton kernels (Triton caches them on disk)

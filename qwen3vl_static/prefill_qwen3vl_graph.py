@@ -118,7 +118,8 @@ class PrefillRunner(GraphRunner):
         elif key is not None and key[0] != batch:
             key = None  # the bucket's padding rows would write into other requests' rows: the exact size, eagerly
         if key is None:
-            self.eager_runs += self.use_graphs
+            if self.use_graphs:
+                self.eager_runs += 1
             if visual is None:  # zero features: the same ops as a multimodal prompt, adding exact zeros
                 visual = self.visual[:1].new_zeros(1, self.visual.shape[1])
                 deepstack = [visual] * self.deepstack.shape[0]
