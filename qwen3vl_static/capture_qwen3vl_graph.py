@@ -49,7 +49,8 @@ class GraphCapturer:
                 for _ in range(2):
                     step()
             torch.cuda.current_stream().wait_stream(stream)
-            if not self.pool_graphs:  # PyTorch releases a pool once its graphs are gone and asserts on a capture into it
+            # PyTorch releases a pool once its graphs are all gone, and asserts on a capture into it.
+            if not self.pool_graphs:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # Thread-local: CUDA work of the process's other threads (a caller preparing its next request while
