@@ -175,8 +175,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch, how often
     and for how long admissions held up decoding rows (a stream's longest gaps: a stall and the chunk before it), the
     steps per chunk (the tokens a stream gets at once). Per prefill launch: its GPU time (the vision tower's included),
-    the batch thread's host time issuing it (near the GPU time: admissions are bound by the host) and whether it ran
-    eagerly for want of a graph."""
+    the batch thread's host time issuing it (where that comes near the GPU time, the host bounds admissions) and
+    whether it ran eagerly for want of a graph."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
