@@ -27,6 +27,15 @@ from transformers.cache_utils import StaticCache
 from .compat_qwen3vl_graph import allocate_layer, record_length, rewind_layers, share_length_counters
 
 
+def cache_values(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`states` as a KV cache of `dtype` stores them: float8 (an opt-in `kv_cache_dtype`) saturated at its largest
+    finite value, where a plain cast would make NaN of what lies beyond."""
+    if dtype == torch.float8_e4m3fn:
+        finite = torch.finfo(dtype).max
+        states = states.clamp(-finite, finite)
+    return states.to(dtype)
+
+
 def kv_heads_and_dim(config) -> tuple:
     """(KV heads, head dim) of each layer's cache: one slot of a layer holds a key and a value of this shape."""
     text_config = config.get_text_config(decoder=True)
@@ -44,12 +53,22 @@ class ASStaticCache(StaticCache):
         self.length_counters = share_length_counters(self.layers, device)
         self.rows = max_batch_size
         self.capacity = static_cache_len
+        self.kv_dtype = dtype  # what the slots store: the model's dtype, or float8 (`kv_cache_dtype`)
         self.full_keys = [layer.keys for layer in self.layers]
         self.full_values = [layer.values for layer in self.layers]
         self._views, self._views_shape = [], None  # `_view`'s
         # The token ids `(rows, n)` whose K/V fill the first n slots after the static loop, None after anything else.
         self.tokens = None
         self.resumed = False  # this request continues what the cache holds
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs) -> tuple:
+        """The stock layers' write, for transformers' own loop on this cache: a cache narrower than the states (a
+        float8 `kv_cache_dtype`) stores them as the decode step does and returns its slots widened again."""
+        if key_states.dtype == self.kv_dtype:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        stored = (cache_values(states, self.kv_dtype) for states in (key_states, value_states))
+        keys, values = super().update(*stored, layer_idx, *args, **kwargs)
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
 
     def check_capacity(self, batch_size: int, needed_len: int) -> None:
         """Raise before anything is written when a request does not fit."""

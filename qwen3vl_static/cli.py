@@ -30,6 +30,9 @@ TINY_MAX_NEW_TOKENS = 32  # the `tiny` checkpoint's generation config
 DEVICE_HELP = "torch device to run on (default: cuda when there is one, else cpu)"
 SLOTS_HELP = ("requests decoded at once: the static cache's rows (max_batch_size; default: as many as fit in the GPU's "
               "memory, the config's on the CPU)")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPE_HELP = ("what the KV cache stores: auto (the model's dtype, default) or fp8 (float8 e4m3, opt-in: half "
+                       "the memory and attention reads; answers differ from stock's)")
 
 
 def main(argv=None) -> int:
@@ -106,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "generation config, which samples for Qwen's checkpoints)")
     runner.add_argument("--slots", type=positive_int, help=SLOTS_HELP)
     runner.add_argument("--cache-len", type=positive_int, help="cache slots per request (static_cache_len)")
+    runner.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     runner.add_argument("--device", help=DEVICE_HELP)
     runner.set_defaults(check=_check_run, run=_run)
 
@@ -130,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--slots", type=positive_int, help=SLOTS_HELP)
     server.add_argument("--cache-len", type=positive_int,
                         help="cache slots per request, prompt and answer (static_cache_len)")
+    server.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     server.add_argument("--max-waiting", type=positive_int, default=256,
                         help="requests waiting for a free row; more get 503 (default 256)")
     server.add_argument("--max-request-mb", type=float, default=50, help="largest request body, MiB (default 50)")
@@ -160,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--with-compile", action="store_true",
                        help="also measure stock cache_implementation='static' (auto-compile, ~45 s per shape)")
     bench.add_argument("--torch-ops", action="store_true", help="run our decode step on torch ops, not Triton kernels")
+    bench.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="what our KV cache stores in the decode and --batching measurements: auto (the model's "
+                       "dtype, default) or fp8 (float8 e4m3)")
     bench.add_argument("--serving", action="store_true",
                        help="also measure where users run it: sampling at Qwen's defaults and top-p alone against "
                        "greedy, TTFT of 8 image prompts in one batch, decode at 7800 / 4000 tokens of context and at "
@@ -285,7 +293,7 @@ def _run(args) -> int:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    overrides = {} if args.cache_len is None else {"static_cache_len": args.cache_len}
+    overrides = cache_overrides(args.cache_len, args.kv_cache_dtype)
     failure, counts = None, None
     try:
         model = Qwen3VLGraphForConditionalGeneration.from_pretrained(
@@ -330,7 +338,13 @@ def _check_serve(args) -> None:
     qwen3vl_config_file(args.model, "MODEL")
 
 
-def load_for_serving(path: str, device: str, cache_len: int | None):
+def cache_overrides(cache_len: int | None, kv_cache_dtype: str = "auto") -> dict:
+    """The config settings `--cache-len` and `--kv-cache-dtype` give `from_pretrained`."""
+    return {**({} if cache_len is None else {"static_cache_len": cache_len}),
+            **({} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype})}
+
+
+def load_for_serving(path: str, device: str, cache_len: int | None, kv_cache_dtype: str = "auto"):
     """The converted model at `path` on `device` (bfloat16 on CUDA, else float32): what `serve`'s engine process
     builds."""
     import torch
@@ -338,9 +352,9 @@ def load_for_serving(path: str, device: str, cache_len: int | None):
     from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
 
     device = torch.device(device)
-    overrides = {} if cache_len is None else {"static_cache_len": cache_len}
     return Qwen3VLGraphForConditionalGeneration.from_pretrained(
-        path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, **overrides).to(device).eval()
+        path, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        **cache_overrides(cache_len, kv_cache_dtype)).to(device).eval()
 
 
 def _serve(args) -> int:
@@ -351,7 +365,7 @@ def _serve(args) -> int:
     from .server import ServerLimits, serve
 
     mib = 2**20
-    serve(partial(load_for_serving, args.model, str(_device(args)), args.cache_len),
+    serve(partial(load_for_serving, args.model, str(_device(args)), args.cache_len, args.kv_cache_dtype),
           partial(load_processor, args.model), args.served_model_name or args.model, host=args.host, port=args.port,
           api_servers=args.api_server_count, max_batch_size=args.slots, api_key=args.api_key,
           limits=ServerLimits(max_waiting=args.max_waiting, max_body_bytes=int(args.max_request_mb * mib),

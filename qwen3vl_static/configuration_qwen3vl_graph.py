@@ -19,12 +19,15 @@ package can never load silently into the stock class when `trust_remote_code=Tru
 
 import dataclasses
 
+import torch
 from transformers import GenerationConfig
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 
 from .compat_qwen3vl_graph import portable_config_dict
 
 PATCH_EMBED_MODES = ("gemm", "conv3d", "channels_last_3d")
+# `kv_cache_dtype` values (vLLM's names) and what the cache stores for each; "auto": the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class Qwen3VLGraphConfig(Qwen3VLConfig):
@@ -49,6 +52,11 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
         graph_cache_lengths (`list[int]`, *optional*):
             KV-length buckets ("milestones"): a graph attends to the first `n` cache slots only. Defaults to
             powers of two from 256 up to `static_cache_len`.
+        kv_cache_dtype (`str`, defaults to `"auto"`):
+            What the KV cache stores: `"auto"`, the model's dtype; `"fp8"` (or `"fp8_e4m3"`, the same), opt-in:
+            float8 e4m3 values, saturated at +-448 with no scale (vLLM's `kv_cache_dtype="fp8"` without scales), half
+            the bytes of bf16: twice the slots in the same memory and half the reads of decode attention. Answers then
+            differ from stock's, as with FP8 weights; attention still computes in the model's dtype.
         steps_per_sync (`int`, defaults to 8):
             Decode steps the device runs (sampling and EOS checks included) before the host reads their tokens.
             The next chunk is queued before the host reads one, so the GPU does not wait for the host; up to
@@ -86,6 +94,7 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     static_cache_len: int = 4096
     graph_batch_sizes: list[int] | None = None
     graph_cache_lengths: list[int] | None = None
+    kv_cache_dtype: str = "auto"
     steps_per_sync: int = 8
     prefill_graph_tokens: int = 2048
     vision_graph_patches: int = 8192
@@ -115,6 +124,7 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
     def validate_graph_settings(self) -> None:
         if self.patch_embed_mode not in PATCH_EMBED_MODES:
             raise ValueError(f"patch_embed_mode must be one of {PATCH_EMBED_MODES}, got {self.patch_embed_mode!r}")
+        self.kv_dtype(torch.bfloat16)
         if self.steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be at least 1, got {self.steps_per_sync}")
         for name in ("prefill_graph_tokens", "vision_graph_patches", "vision_table_cache_size"):
@@ -140,6 +150,12 @@ class Qwen3VLGraphConfig(Qwen3VLConfig):
 
     def to_dict(self) -> dict:
         return portable_config_dict(super().to_dict())
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache stores for a model computing in `model_dtype` (`kv_cache_dtype`)."""
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     # Buckets are derived when used, not stored: `from_pretrained(..., static_cache_len=N)` sets fields after
     # `__post_init__`, and a stored default would then be stale.

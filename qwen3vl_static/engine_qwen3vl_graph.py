@@ -29,7 +29,7 @@ from .cache_qwen3vl_graph import ASStaticCache
 from .capture_qwen3vl_graph import GraphCapturer
 from .decode_qwen3vl_graph import DecodeRunner
 from .decoder_qwen3vl_graph import TextWeights
-from .ops_qwen3vl_graph import make_ops
+from .ops_qwen3vl_graph import TritonOps, make_ops
 from .prefill_qwen3vl_graph import PrefillRunner
 from .speculative_qwen3vl_graph import SpeculativeRunner
 from .tuner_qwen3vl_graph import KernelTuner
@@ -46,9 +46,15 @@ class GraphEngine:
         config = model.config
         weight = model.model.language_model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.cache = ASStaticCache(config, config.max_batch_size, config.static_cache_len, self.device, self.dtype)
+        kv_dtype = config.kv_dtype(self.dtype)
         self.tuner = KernelTuner()
         self.ops = make_ops(self.device, self.dtype, config.use_triton_kernels, self.tuner)
+        if kv_dtype == torch.float8_e4m3fn and isinstance(self.ops, TritonOps) and not self.ops.fp8_kernels:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} needs a GPU whose Triton computes with float8 "
+                             f"e4m3 (compute capability 8.9 or later: Ada, Hopper); this one is "
+                             f"{torch.cuda.get_device_name(self.device)}. Use kv_cache_dtype='auto', or "
+                             "use_triton_kernels=False for the torch ops.")
+        self.cache = ASStaticCache(config, config.max_batch_size, config.static_cache_len, self.device, kv_dtype)
         self.capturer = GraphCapturer()
         graphs = config.use_cuda_graphs
         bucketed = self.device.type == "cuda" if bucketed is None else bucketed

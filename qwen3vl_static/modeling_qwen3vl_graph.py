@@ -381,7 +381,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
                 else:
                     engine = self._engine
                     held = 0 if engine is None else engine.cache.rows * engine.cache.capacity
-                    slot_bytes = kv_bytes_per_slot(config, self.dtype)
+                    slot_bytes = kv_bytes_per_slot(config, config.kv_dtype(self.dtype))
                     rows, why = slots_from_memory(*memory, held * slot_bytes, slot_bytes, cache_len,
                                                   gpu_memory_utilization, max_prefill_tokens, requests)
                     if rows < 1:

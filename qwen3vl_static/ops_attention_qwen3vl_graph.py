@@ -76,8 +76,8 @@ def decode_attention_reference(q, keys, values, mask, cache_rows, kv_len, scale)
     rows, kv_heads, head_dim = q.shape[0], keys.shape[1], keys.shape[-1]
     out = F.scaled_dot_product_attention(
         q.reshape(rows, kv_heads, -1, head_dim),
-        keys[:, :, :kv_len].index_select(0, cache_rows),
-        values[:, :, :kv_len].index_select(0, cache_rows),
+        keys[:, :, :kv_len].index_select(0, cache_rows).to(q.dtype),  # a float8 cache (`kv_cache_dtype`) widens
+        values[:, :, :kv_len].index_select(0, cache_rows).to(q.dtype),
         attn_mask=mask,
         scale=scale,
     )
@@ -122,7 +122,7 @@ if triton is not None:
             cache = (cache_row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot
                      + dims[None, :])
             readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
-            k = tl.load(keys + cache, mask=readable[:, None], other=0.0)
+            k = tl.load(keys + cache, mask=readable[:, None], other=0.0).to(queries.dtype)  # a float8 cache widens
             v = tl.load(values + cache, mask=readable[:, None], other=0.0)
             scores = tl.dot(queries, tl.trans(k)).to(tl.float32) * scale
             scores = tl.where(readable[None, :], scores, float("-inf"))

@@ -28,6 +28,7 @@ from .fp8_qwen3vl_graph import SCALE_COLS, Fp8Weight
 from .ops_norm_qwen3vl_graph import _load_summed, _store_rms_norm
 from .ops_rotary_qwen3vl_graph import _head_weights, _norm_rope, _rope_tables
 from .triton_qwen3vl_graph import (
+    _cache_value,
     _release_then_wait,
     _wait_then_release,
     launch,
@@ -376,7 +377,8 @@ if triton is not None:
                 kv_head = (head - HEADS) % KV_HEADS
                 slot = (tl.load(cache_rows + row, mask=keep, other=0) * stride_cache_row + kv_head * stride_cache_head
                         + tl.load(cache_slots + row, mask=keep, other=0) * stride_cache_slot + dims)
-                tl.store(tl.where(head < HEADS + KV_HEADS, keys, values) + slot, y, mask=keep)
+                cache = tl.where(head < HEADS + KV_HEADS, keys, values)
+                tl.store(cache + slot, _cache_value(y, cache), mask=keep)
             tl.store(tickets + head, 0)  # ready for the next launch
 
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
 
 from .ops_norm_qwen3vl_graph import _load_summed
-from .triton_qwen3vl_graph import _wait_then_release, launch, sm_count, tl, triton
+from .cache_qwen3vl_graph import cache_values
+from .triton_qwen3vl_graph import _cache_value, _wait_then_release, launch, sm_count, tl, triton
 
 
 def rotary_reference(cos, sin):
@@ -37,8 +38,8 @@ def qk_norm_rope_write_reference(qkv, heads, q_weight, k_weight, eps, rotary, ke
     each row's K and V into the cache at `[cache_rows[row], :, cache_slots[row]]` and returns the queries
     `(rows, Hq, D)`. Decoding writes one token of each sequence; prefill writes all tokens of the prompt. `q_weight`
     None: no QK-norm, the rotary embedding only.
-    `return_kv`: returns `(q, k, v)`, with the K and V written `(rows, Hkv, D)` (a fresh prompt's attention reads
-    them there instead of gathering its cache rows)."""
+    `return_kv`: returns `(q, k, v)`, with the K and V written `(rows, Hkv, D)`, as the cache holds them (a fresh
+    prompt's attention reads them there instead of gathering its cache rows)."""
     rows, kv_heads, head_dim = qkv.shape[0], keys.shape[1], keys.shape[-1]
     qkv = qkv.view(rows, -1, head_dim)
     if q_weight is None:  # no QK-norm (an EAGLE-3 draft's Llama layer)
@@ -49,10 +50,11 @@ def qk_norm_rope_write_reference(qkv, heads, q_weight, k_weight, eps, rotary, ke
         qk[:, heads:] *= k_weight
     cos, signed_sin = rotary
     qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, dims=-1), signed_sin)
-    keys[cache_rows, :, cache_slots] = qk[:, heads:]
-    values[cache_rows, :, cache_slots] = qkv[:, heads + kv_heads :]
-    if return_kv:
-        return qk[:, :heads], qk[:, heads:].to(keys.dtype), qkv[:, heads + kv_heads :].to(values.dtype)
+    k, v = cache_values(qk[:, heads:], keys.dtype), cache_values(qkv[:, heads + kv_heads :], values.dtype)
+    keys[cache_rows, :, cache_slots] = k
+    values[cache_rows, :, cache_slots] = v
+    if return_kv:  # as the cache holds them, in the queries' dtype
+        return qk[:, :heads], k.to(qk.dtype), v.to(qk.dtype)
     return qk[:, :heads]
 
 
@@ -149,9 +151,9 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, RETURN_KV: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
     ):
         """One token and KV_BLOCK of its KV heads per program: their query heads, normed (NORM) and rotated, to `q_out`;
-        their keys, normed and rotated, and values into the cache (and to `k_out`, `v_out` `(tokens, KV heads, D)`
-        with RETURN_KV). q and k are rounded once to the storage dtype. `qkv` is the projection's output or its
-        `splits` float32 partials (`_load_summed`)."""
+        their keys, normed and rotated, and values into the cache (and as it holds them to `k_out`, `v_out` `(tokens,
+        KV heads, D)` with RETURN_KV). q and k are rounded once to `q_out`'s dtype, then K and V to the cache's. `qkv`
+        is the projection's output or its `splits` float32 partials (`_load_summed`)."""
         # Norm weights never change during a step, so they load before the PDL wait, during the previous kernel.
         q_weights, k_weights = _head_weights(q_weight, HEAD_DIM), _head_weights(k_weight, HEAD_DIM)
         _wait_then_release(PDL)
@@ -174,12 +176,13 @@ if triton is not None:
                 + tl.load(cache_slots + row) * stride_cache_slot + dims)
         q = _norm_rope(q, q_rolled, q_weights, tables, eps, HEAD_DIM, NORM)
         tl.store(q_out + (row * KV_HEADS * GROUP + q_heads) * HEAD_DIM + dims, q.to(dtype), mask=q_kept)
-        k = _norm_rope(k, k_rolled, k_weights, tables, eps, HEAD_DIM, NORM).to(dtype)
+        k = _cache_value(_norm_rope(k, k_rolled, k_weights, tables, eps, HEAD_DIM, NORM).to(dtype), keys)
+        v = _cache_value(v.to(dtype), values)
         tl.store(keys + slot, k)
-        tl.store(values + slot, v.to(dtype))
+        tl.store(values + slot, v)
         if RETURN_KV:
             written = (row * KV_HEADS + kv_heads) * HEAD_DIM + dims
-            tl.store(k_out + written, k)
+            tl.store(k_out + written, k.to(dtype))
             tl.store(v_out + written, v.to(dtype))
 
     @triton.jit
@@ -238,8 +241,9 @@ def qk_norm_rope_write(qkv, heads, q_weight, k_weight, eps, rotary, keys, values
     launch and addressing (an H200 prefill of 2048 tokens spent 24 us a layer in this kernel with them)."""
     rows, n = qkv.shape[-2:]
     kv_heads, head_dim = keys.shape[1], keys.shape[-1]
-    q = torch.empty(rows, heads, head_dim, dtype=keys.dtype, device=qkv.device)
-    k, v = torch.empty(2, rows, kv_heads, head_dim, dtype=keys.dtype, device=qkv.device) if return_kv else (q, q)
+    dtype = rotary[0].dtype  # the model's (the cache's may be narrower)
+    q = torch.empty(rows, heads, head_dim, dtype=dtype, device=qkv.device)
+    k, v = torch.empty(2, rows, kv_heads, head_dim, dtype=dtype, device=qkv.device) if return_kv else (q, q)
     cos, sin = rotary
     group = heads // kv_heads
     per_token = rows >= sm_count(qkv.device) and kv_heads & (kv_heads - 1) == 0  # `tl.arange` needs a power of two

@@ -54,7 +54,7 @@ class PrefillRunner(GraphRunner):
         # Padded to buckets (the model does this on CUDA, graphs or not, so the eager step computes on exactly the
         # shapes the graphs do), or run at exact sizes.
         bucketed = bucketed and bool(token_buckets)
-        device, dtype = cache.full_keys[0].device, cache.full_keys[0].dtype
+        device, dtype = text.embed.device, text.embed.dtype
         super().__init__(capturer, use_graphs, can_use_graphs=bucketed and device.type == "cuda")
         self.text = text  # TextWeights
         self.cache = cache
@@ -246,7 +246,7 @@ class PrefillRunner(GraphRunner):
                 k, v = (states.view(rows, size, *states.shape[1:]).transpose(1, 2) for states in (k, v))
             else:
                 q = written
-                k, v = (cache[:, :, :kv_slots].index_select(0, row_ids) for cache in (keys, values))
+                k, v = (cache[:, :, :kv_slots].index_select(0, row_ids).to(q.dtype) for cache in (keys, values))
             q = q.view(rows, size, layer.heads, -1).transpose(1, 2)
             if masked:  # K/V heads repeated for the query heads, as stock `repeat_kv` does (masked kernels lack GQA)
                 group = layer.heads // keys.shape[1]

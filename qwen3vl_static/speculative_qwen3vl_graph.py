@@ -57,7 +57,7 @@ class SpeculativeRunner(GraphRunner):
         hidden = decode.text.embed.shape[1]
         self.cycles_per_sync = max(1, decode.steps_per_sync // 2)
         self.order = torch.arange(k + 1, device=device)
-        self.taps = torch.zeros(k + 1, len(draft.layer_ids) * hidden, dtype=cache.full_keys[0].dtype, device=device)
+        self.taps = torch.zeros(k + 1, len(draft.layer_ids) * hidden, dtype=decode.text.embed.dtype, device=device)
         self.record = recording(draft.layer_ids, self.taps)
         self.proposals = self.verify.input_ids[1:, 0]  # the rows after the pending token's: a view
         self.prompt_len = torch.zeros((), dtype=torch.long, device=device)

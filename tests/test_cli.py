@@ -15,7 +15,7 @@ from conftest import save_stock_checkpoint
 
 import qwen3vl_static
 from qwen3vl_static.checkpoints import QWEN3VL_MODEL_TYPES
-from qwen3vl_static.cli import TINY_MAX_NEW_TOKENS, build_parser, main
+from qwen3vl_static.cli import TINY_MAX_NEW_TOKENS, build_parser, load_for_serving, main
 from qwen3vl_static.configuration_qwen3vl_graph import Qwen3VLGraphConfig
 from qwen3vl_static.dataset_runner import load_processor
 from qwen3vl_static.modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
@@ -126,6 +126,17 @@ def test_tiny_writes_a_converted_checkpoint_that_run_answers_from(tiny, tmp_path
     assert main(["run", str(tiny), "--input", str(tmp_path / "requests.jsonl"), "--output", str(output)]) == 0
     tokens = [json.loads(line)["generated_tokens"] for line in output.read_text().splitlines()]
     assert tokens[1] == 3 and 1 <= tokens[0] <= TINY_MAX_NEW_TOKENS
+
+
+def test_kv_cache_dtype_reaches_the_model_of_run_and_serve(tiny, tmp_path):
+    model = load_for_serving(str(tiny), "cpu", 64, "fp8")
+    assert (model.config.kv_cache_dtype, model.config.static_cache_len) == ("fp8", 64)
+    assert load_for_serving(str(tiny), "cpu", None).config.kv_cache_dtype == "auto"
+    (tmp_path / "requests.jsonl").write_text(request("q0", max_new_tokens=3) + "\n")
+    output = tmp_path / "answers.jsonl"
+    assert main(["run", str(tiny), "--input", str(tmp_path / "requests.jsonl"), "--output", str(output),
+                 "--kv-cache-dtype", "fp8"]) == 0
+    assert json.loads(output.read_text())["generated_tokens"] == 3
 
 
 def test_demo_says_that_random_weights_give_gibberish(capsys):

@@ -11,7 +11,16 @@ from qwen3vl_static.capture_qwen3vl_graph import GraphCapturer
 from qwen3vl_static.compat_qwen3vl_graph import CACHE_KWARG, returned_cache, vision_features
 from qwen3vl_static.ops_qwen3vl_graph import TorchOps, TritonOps
 from qwen3vl_static.presets import tiny_config
-from qwen3vl_static.workloads import build_models, image_prompt, save_random_draft, second_turn, text_prompt
+from qwen3vl_static.workloads import (
+    build_models,
+    build_ours,
+    generate_exactly_as_asked,
+    image_prompt,
+    save_random_draft,
+    second_turn,
+    text_prompt,
+)
+from test_kv_cache_fp8 import Float8RoundingCache
 from test_speculative import ScriptedDraft
 
 pytestmark = pytest.mark.cuda
@@ -133,14 +142,16 @@ def test_torch_ops_graph_equals_eager_and_stays_close_to_the_kernels(models):
 MAX_LOG_PROB_DELTA = 0.25
 
 
-def stock_log_probs(stock, prompt, sequence):
+def stock_log_probs(stock, prompt, sequence, cache=None):
     """The stock full-sequence forward's float32 next-token log-probs after the prompt's last token and after each
-    token of `sequence` (the prompt followed by generated tokens)."""
+    token of `sequence` (the prompt followed by generated tokens), with `cache` (an empty one) if given."""
     prompt_len = prompt["input_ids"].shape[1]
     pixels = {k: v for k, v in prompt.items() if k in ("pixel_values", "image_grid_thw")}
     if "mm_token_type_ids" in prompt:  # transformers 5.x
         mm = torch.cat([prompt["mm_token_type_ids"], torch.zeros_like(sequence[:, prompt_len:], dtype=torch.int)], 1)
         pixels.update(mm_token_type_ids=mm)
+    if cache is not None:
+        pixels.update(use_cache=True, **{CACHE_KWARG: cache})
     with torch.no_grad():
         return stock(input_ids=sequence, **pixels).logits[:, prompt_len - 1 :].float().log_softmax(-1)
 
@@ -286,6 +297,51 @@ def test_penalized_batches_graph_equals_eager_and_leave_other_rows_alone(models)
 
 def relative_error(got, expected):
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def test_float8_kv_cache_graph_equals_eager_and_agrees_with_stock_on_rounded_kv(models):
+    """kv_cache_dtype="fp8" on the 2B shapes (the same weights): the cache holds float8, half the bytes; graphs give
+    the eager static path's tokens, in `generate` and in continuous batching; and each answer is the top-1 of stock's
+    full-sequence forward attending to K/V rounded as ours stores them, wherever its margin exceeds twice the log-prob
+    deviation bf16 explains."""
+    reference, stock = models
+    ours = build_ours("cuda", torch.bfloat16, static_cache_len=1024, max_batch_size=8, kv_cache_dtype="fp8")
+    generate_exactly_as_asked(ours)
+    try:
+        generator = torch.Generator().manual_seed(5)
+        cases = [text_prompt(ours.config, 1, 200, "cuda", generator),
+                 left_padded(text_prompt(ours.config, 4, 180, "cuda", generator), [0, 7, 30, 101]),
+                 image_prompt(ours.config, "cuda", generator)]
+        decisive = 0
+        for prompt in cases:
+            graph = generate(ours, prompt, 128)
+            assert graph.tolist() == generate(ours, prompt, 128, graphs=False).tolist()
+            if prompt["input_ids"].shape[0] > 1:
+                continue
+            top2 = stock_log_probs(stock, prompt, graph[:, :-1], Float8RoundingCache())[0].topk(2, dim=-1)
+            sure = (top2.values[:, 0] - top2.values[:, 1]) > 2 * MAX_LOG_PROB_DELTA
+            answer = graph[0, prompt["input_ids"].shape[1]:]
+            assert answer[sure].tolist() == top2.indices[sure, 0].tolist()
+            decisive += int(sure.sum())
+        assert decisive > 0
+        keys, reference_keys = ours._engine.cache.full_keys[0], reference._engine.cache.full_keys[0]
+        assert keys.dtype == torch.float8_e4m3fn and 2 * keys.nbytes == reference_keys.nbytes
+        requests = [{**(image_prompt(ours.config, "cuda", generator) if index % 3 == 0
+                        else text_prompt(ours.config, 1, 40 + 23 * index, "cuda", generator)),
+                     "max_new_tokens": 6 + 13 * index} for index in range(8)]
+        tokens = {}
+        for graphs in (True, False):
+            ours.set_cuda_graphs(graphs)
+            try:
+                results = ours.generate_batch(requests, progress_bar=False, max_batch_size=8, static_cache_len=1024)
+            finally:
+                ours.set_cuda_graphs(True)
+            assert [result.error for result in results.values()] == [None] * len(requests)
+            tokens[graphs] = [result.generated_tokens for result in results.values()]
+        assert tokens[True] == tokens[False]
+    finally:
+        del ours
+        torch.cuda.empty_cache()
 
 
 def test_rope_index_on_host_copies_equals_stock_on_the_gpu(models):

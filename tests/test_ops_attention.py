@@ -22,12 +22,15 @@ pytestmark = needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_len", [64, 160])
 @pytest.mark.parametrize("tiles", [1, 2, 3, 4])
-def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtype, kv_len, tiles, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype-cache", "float8-cache"])
+def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtype, kv_len, tiles, kv_dtype,
+                                                                            monkeypatch):
     """Decode attention (QK-norm, RoPE, cache write, flash-decoding and its merge) against the reference ops. Every
     slot it must not read (unwritten, the new token's own slot included until it is written) or attend to (left
     padding) holds NaN, so using one poisons the output; only each row's new slot may change. Rows read and write the
     cache rows they are given (a permutation with a row left out), not their own. Programs of 1 to 4 tiles of 64
-    slots (a split past the new token's slot has nothing to read)."""
+    slots (a split past the new token's slot has nothing to read). The cache holds the model's dtype or float8
+    (`kv_cache_dtype="fp8"`: the new K/V rounded to it, every slot widened as it is read)."""
     monkeypatch.setattr(ops_attention_qwen3vl_graph, "split_tiles", lambda rows, kv_heads, kv_len: tiles)
     rows, heads, kv_heads, dim, capacity, hidden = 3, 4, 2, 32, 160, 64
     x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
@@ -41,13 +44,15 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
     slots = torch.arange(capacity, device=DEVICE)
     unreadable = torch.ones(rows + 1, capacity, dtype=torch.bool, device=DEVICE)  # per cache row
     unreadable[cache_rows] = (slots >= cache_lens[:, None]) | ~attendable
+    kv_dtype = kv_dtype or dtype
     keys, values = randn(rows + 1, kv_heads, capacity, dim, dtype=dtype), randn(rows + 1, kv_heads, capacity, dim, dtype=dtype)
     poisoned = keys.clone(), values.clone()
     for cache in poisoned:
         cache.transpose(1, 2)[unreadable] = float("nan")
-    # The reference runs in float32 and masks with -inf scores; as 0 * NaN is NaN, it gets the random values where
-    # the kernel gets NaN.
-    k_ref, v_ref = keys.float(), values.float()
+    keys, values, *poisoned = (cache.to(kv_dtype) for cache in (keys, values, *poisoned))
+    # The reference runs in float32 (a float8 cache stays one: it rounds the new K/V as the kernel does) and masks with
+    # -inf scores; as 0 * NaN is NaN, it gets the random values where the kernel gets NaN.
+    k_ref, v_ref = (cache.clone() if kv_dtype == torch.float8_e4m3fn else cache.float() for cache in (keys, values))
     context = Torch.attention_context(attendable, cache_rows, cache_lens, kv_len, torch.float32)
     out_ref = Torch.decode_attention(x.float(), qkv_weight.float(), heads, tuple(w.float() for w in qk_norms[:2]) + qk_norms[2:],
                                      Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_lens, context, kv_len,
@@ -61,8 +66,10 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
     new = torch.zeros(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
     new[cache_rows, cache_lens] = True
     for got, expected, before in zip((k, v), (k_ref, v_ref), poisoned):
-        assert_close_at_scale(got.transpose(1, 2)[new], expected.transpose(1, 2)[new])
-        torch.testing.assert_close(got.transpose(1, 2)[~new], before.transpose(1, 2)[~new], rtol=0, atol=0, equal_nan=True)
+        assert got.dtype == kv_dtype
+        assert_close_at_scale(got.transpose(1, 2)[new], expected.transpose(1, 2)[new].float())
+        torch.testing.assert_close(got.transpose(1, 2)[~new].float(), before.transpose(1, 2)[~new].float(), rtol=0,
+                                   atol=0, equal_nan=True)
 
 
 def test_split_tiles_follow_the_cache_and_batch():

@@ -45,19 +45,22 @@ SKINNY_CONFIGS = {
 @pytest.mark.parametrize("split_k", [1, 3], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("form", ["fused", "summed-by-norm"])
 @pytest.mark.parametrize("normed", [True, False], ids=["qk-norm", "rope-only"])
-def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form, normed):
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype-cache", "float8-cache"])
+def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form, normed, kv_dtype):
     """The QKV projection with QK-norm/RoPE/KV write in its epilogue (each head's last program; column tiles of half a
     head), or its partial products summed by the QK-norm/RoPE/write kernel, against the projection then the reference
-    ops; with QK-norm, or the rotary embedding only (an EAGLE-3 draft's layer). Only each row's slot is written."""
+    ops; with QK-norm, or the rotary embedding only (an EAGLE-3 draft's layer); into a cache of the model's dtype or
+    float8. Only each row's slot is written."""
     heads, kv_heads, dim, hidden, slots = 4, 2, 32, 96, 20
     x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
     qk_norms = (randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6) if normed else (None, None, 1e-6)
     cos, sin = randn(rows, 1, dim, dtype=dtype), randn(rows, 1, dim, dtype=dtype)
     cache_rows = torch.arange(rows, device=DEVICE)
     cache_slots = torch.tensor([4, 19, 0] + list(range(3, rows)), device=DEVICE)[:rows]
-    keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
-    values = torch.full_like(keys, float("nan"))
-    k_ref, v_ref = keys.float(), values.float()
+    kv_dtype = kv_dtype or dtype
+    keys = torch.full((rows + 1, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE).to(kv_dtype)
+    values = keys.clone()
+    k_ref, v_ref = (cache.clone() if kv_dtype == torch.float8_e4m3fn else cache.float() for cache in (keys, values))
     q_ref = Torch.qkv_norm_rope_write(x.float(), qkv_weight.float(), heads,
                                       tuple(w if w is None else w.float() for w in qk_norms[:2]) + qk_norms[2:],
                                       Torch.rotary(cos.float(), sin.float()), k_ref, v_ref, cache_rows, cache_slots)
@@ -74,9 +77,9 @@ def test_qkv_norm_rope_write_fused_and_chosen(dtype, rows, split_k, form, normed
     assert_close_at_scale(q, q_ref)
     written = torch.zeros(rows + 1, slots, dtype=torch.bool, device=DEVICE)
     written[cache_rows, cache_slots] = True
-    assert keys.transpose(1, 2)[~written].isnan().all() and values.transpose(1, 2)[~written].isnan().all()
     for got, expected in ((keys, k_ref), (values, v_ref)):
-        assert_close_at_scale(got.transpose(1, 2)[written], expected.transpose(1, 2)[written])
+        assert got.transpose(1, 2)[~written].float().isnan().all()
+        assert_close_at_scale(got.transpose(1, 2)[written], expected.transpose(1, 2)[written].float())
     assert not tickets.any()  # back at zero for the next launch
 
 

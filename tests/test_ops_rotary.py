@@ -52,18 +52,22 @@ def test_qk_norm_rope_write_touches_only_each_tokens_slot(dtype, cache_rows, pro
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qk_norm_rope_write_returns_the_kv_it_writes(dtype, programs):
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype-cache", "float8-cache"])
+def test_qk_norm_rope_write_returns_the_kv_it_writes(dtype, kv_dtype, programs):
     """With `return_kv` (a fresh prompt's prefill attends to them there): q as without it, and K/V `(tokens, KV heads,
-    D)` equal to what went into the cache, bitwise; the reference's are the reference's."""
+    D)` in the model's dtype equal to what went into the cache, bitwise (a float8 cache's widened); the reference's are
+    the reference's. V is copied, so it is bitwise in both, float8's rounding and saturation included."""
     tokens, heads, kv_heads, dim, slots = 5, 4, 2, 32, 8
     qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    qkv[:, -dim:] *= 300  # beyond float8's 448 in places
+    kv_dtype = kv_dtype or dtype
     norms = randn(dim, dtype=dtype), randn(dim, dtype=dtype), 1e-6
     cos, sin = randn(tokens, 1, dim, dtype=dtype), randn(tokens, 1, dim, dtype=dtype)
     cache_rows, cache_slots = torch.tensor([0, 0, 0, 1, 1], device=DEVICE), torch.tensor([0, 1, 2, 0, 1], device=DEVICE)
     returned = []
     for ops in (Torch, Triton):
-        keys = torch.full((2, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE)
-        values = torch.full_like(keys, float("nan"))
+        keys = torch.full((2, kv_heads, slots, dim), float("nan"), dtype=dtype, device=DEVICE).to(kv_dtype)
+        values = keys.clone()
         tables = ops.rotary(cos, sin)
         q_alone = ops.qk_norm_rope_write(qkv, heads, *norms, tables, keys.clone(), values.clone(), cache_rows,
                                          cache_slots)
@@ -71,12 +75,16 @@ def test_qk_norm_rope_write_returns_the_kv_it_writes(dtype, programs):
             q, k, v = ops.qk_norm_rope_write(qkv, heads, *norms, tables, keys, values, cache_rows, cache_slots,
                                              return_kv=True)
         torch.testing.assert_close(q, q_alone, rtol=0, atol=0)
-        assert k.shape == v.shape == (tokens, kv_heads, dim)
-        torch.testing.assert_close(k, keys[cache_rows, :, cache_slots], rtol=0, atol=0)
-        torch.testing.assert_close(v, values[cache_rows, :, cache_slots], rtol=0, atol=0)
+        assert k.shape == v.shape == (tokens, kv_heads, dim) and k.dtype == v.dtype == dtype
+        torch.testing.assert_close(k, keys[cache_rows, :, cache_slots].to(dtype), rtol=0, atol=0)
+        torch.testing.assert_close(v, values[cache_rows, :, cache_slots].to(dtype), rtol=0, atol=0)
         returned.append((k, v))
     (k_ref, v_ref), (k, v) = returned
-    torch.testing.assert_close(k, k_ref, **TOLERANCE[dtype])
+    if kv_dtype == torch.float8_e4m3fn:  # the K computed a rounding apart may land a float8 unit apart
+        torch.testing.assert_close(k, k_ref, rtol=2**-3, atol=2**-9)
+        assert v.abs().max() == 448
+    else:
+        torch.testing.assert_close(k, k_ref, **TOLERANCE[dtype])
     torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
 
 
