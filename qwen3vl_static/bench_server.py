@@ -65,9 +65,9 @@ def bench_processor(model: str = "2b"):
     return ImageChatProcessor(real_ids_tokenizer(model), image_processor)
 
 
-def bench_model(model: str = "2b"):
+def bench_model(model: str = "2b", kv_cache_dtype: str = "auto"):
     """The served model: the preset's shapes with random weights (seed 0), EOS off (built in the engine process)."""
-    built = build_ours(torch.device("cuda"), torch.bfloat16, model)
+    built = build_ours(torch.device("cuda"), torch.bfloat16, model, kv_cache_dtype=kv_cache_dtype)
     generate_exactly_as_asked(built)
     return built
 
@@ -78,10 +78,11 @@ def server_main(argv=None) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="2b")
     parser.add_argument("--api-server-count", type=int)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args(argv)
     from .server import serve
 
-    serve(partial(bench_model, args.model), partial(bench_processor, args.model), NAME, port=args.port,
+    serve(partial(bench_model, args.model, args.kv_cache_dtype), partial(bench_processor, args.model), NAME, port=args.port,
           api_servers=args.api_server_count)
 
 
@@ -229,21 +230,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def reference_answers(model_name: str, urls: list, indices: list) -> tuple:
-    """`generate`'s answers (new token ids) to the chat bodies of `indices`, in this process (the server's weights and
-    processor), and that processor."""
+def reference_answers(model_name: str, urls: list, indices: list, kv_cache_dtype: str) -> tuple:
+    """`generate`'s answers (new token ids) to the chat bodies of `indices`, in this process (the server's weights,
+    cache dtype and processor), and that processor."""
     from .media import MediaLimits, fetch_image
 
-    device = torch.device("cuda")
-    model = build_ours(device, torch.bfloat16, model_name)
-    generate_exactly_as_asked(model)
+    model = bench_model(model_name, kv_cache_dtype)
     processor, answers = bench_processor(model_name), []
     for index in indices:
         image = asyncio.run(fetch_image(urls[index], MediaLimits(), client=None))  # as the server reads it
         messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                                  {"type": "text", "text": question(index)}]}]
         inputs = processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                                               return_tensors="pt").to(device)
+                                               return_tensors="pt").to(model.device)
         out = model.generate(**inputs, max_new_tokens=NEW_TOKENS)
         answers.append(out[0, inputs["input_ids"].shape[1]:].tolist())
     del model
@@ -273,7 +272,7 @@ def server_rows(args) -> dict:
         log = Path(file.name)
     rows, first_level_answers = [], None
     with log.open("w") as sink:
-        child = ["--port", str(port), "--model", args.model]
+        child = ["--port", str(port), "--model", args.model, "--kv-cache-dtype", args.kv_cache_dtype]
         if args.server_api_server_count:
             child += ["--api-server-count", str(args.server_api_server_count)]
         process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static.bench_server", *child], stdout=sink,
@@ -304,7 +303,7 @@ def server_rows(args) -> dict:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    expected, processor = reference_answers(args.model, urls, list(range(counts[levels[0]])))
+    expected, processor = reference_answers(args.model, urls, list(range(counts[levels[0]])), args.kv_cache_dtype)
     # Random weights leave near-ties that bf16 rounding of another schedule (the batch's cache and kernels, not
     # generate's) settles either way, and an answer goes its own way after one: the leading tokens that agree say
     # how far. The CUDA tests check the batch's tokens against stock's where the margin is clear.
@@ -318,6 +317,7 @@ def server_rows(args) -> dict:
             "engine_intake_ms_p50": statistics.median(taken), "engine_intake_ms_p99": percentile(taken, 0.99),
             f"concurrency_{levels[0]}_answers_equal_generate": f"{agreeing.count(NEW_TOKENS)}/{len(agreeing)}",
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG data URL",
             "image_processor": type(processor.image_processor).__name__,
             "question_tokens": QUESTION_TOKENS,

@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also measure stock cache_implementation='static' (auto-compile, ~45 s per shape)")
     bench.add_argument("--torch-ops", action="store_true", help="run our decode step on torch ops, not Triton kernels")
     bench.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                       help="what our KV cache stores in the decode and --batching measurements: auto (the model's "
-                       "dtype, default) or fp8 (float8 e4m3)")
+                       help="what our KV cache stores in the decode, --batching and --server measurements: auto (the "
+                       "model's dtype, default) or fp8 (float8 e4m3)")
     bench.add_argument("--serving", action="store_true",
                        help="also measure where users run it: sampling at Qwen's defaults and top-p alone against "
                        "greedy, TTFT of 8 image prompts in one batch, decode at 7800 / 4000 tokens of context and at "

@@ -66,11 +66,13 @@ if triton is not None:
         from torch's beyond 448, and rounds otherwise in Triton's interpreter."""
         if cache.dtype.element_ty == tl.float8e4nv:
             y = tl.clamp(y.to(tl.float32), -448.0, 448.0)
-            # The value of the last of e4m3's 3 mantissa bits at y's exponent (subnormal below 2^-6: steps of 2^-9).
+            # The value of the last of e4m3's 3 mantissa bits at y's exponent (subnormal below 2^-6: steps of 2^-9),
+            # and its inverse: powers of two, so scaling by them is exact.
             exponent = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
             unit = ((exponent + 124) << 23).to(tl.float32, bitcast=True)
+            inverse = ((130 - exponent) << 23).to(tl.float32, bitcast=True)
             # Adding and taking away 1.5 * 2^23 rounds a float32 below 2^22 to an integer, to nearest even.
-            rounded = ((y / unit + 12582912.0) - 12582912.0) * unit
+            rounded = ((y * inverse + 12582912.0) - 12582912.0) * unit
             y = tl.where(rounded == 0, y * 0.0, rounded)  # keeps the sign of a zero
         return y.to(cache.dtype.element_ty)
 

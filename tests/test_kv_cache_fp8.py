@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import build, chat, image, new_pair
 from ops_checks import DEVICE, needs_triton
+from test_speculative import ScriptedDraft
 from transformers import DynamicCache
 
 from qwen3vl_static.batching_qwen3vl_graph import kv_bytes_per_slot
@@ -99,6 +100,21 @@ def test_transformers_loop_on_the_float8_cache_stores_and_reads_it_rounded(fp8_p
     got = ours.generate(**other, **GREEDY, **{CACHE_KWARG: returned_cache(got_first)})
     assert got.tolist() == reused.tolist()
     assert returned_cache(got_first).full_keys[0].dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("miss", [None, 1], ids=["proposals-right", "second-proposal-wrong"])
+def test_the_speculative_loop_verifies_on_the_float8_cache(fp8_pair, miss):
+    """The speculative loop's verify step (K + 1 positions of one row, written then read) on the float8 cache: a draft
+    proposing stock's rounded answer (or wrong at its second proposal) gives that answer."""
+    ours, stock = fp8_pair
+    inputs = build(CASES["image"])
+    expected = stock_rounded(stock, inputs, eos_token_id=None)
+    try:
+        ours.use_draft(ScriptedDraft(expected, miss), 3)
+        assert ours.generate(**inputs, **GREEDY, eos_token_id=None).tolist() == expected.tolist()
+        assert len(ours.speculative_stats["kept_per_cycle"]) > 1
+    finally:
+        ours.use_draft(None)
 
 
 def test_continuous_batching_equals_generate_alone(fp8_pair):
