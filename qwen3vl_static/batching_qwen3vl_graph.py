@@ -17,13 +17,15 @@ A background thread owns the batch. Each turn of its loop
 1. takes new requests in (`_prepare`, on the host: inputs checked, settings resolved, M-RoPE positions computed; a
    bad request fails alone here, before anything is written) and cancellations;
 2. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget), and
-   prefills them directly through the engine's vision and prefill runners (no `generate` call: its host work would
-   cost more than the prefill), several prompts per launch, padded on the left within groups of one kind; a prompt
-   longer than the budget is prefilled a budget per turn instead, its row parked (`DecodeRunner.park`) until done;
+   prefills them directly through the engine's prefill runner (no `generate` call: its host work would cost more
+   than the prefill), several prompts per launch, padded on the left within groups of one kind, from their images'
+   features (most encoded ahead, step 4); a prompt longer than the budget is prefilled a budget per turn instead, its
+   row parked (`DecodeRunner.park`) until done;
 3. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
    `StreamingSteps`), sampling in the graph with each row's own parameters and seed (seeded modes:
    `DecodeRunner.sample`);
-4. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
+4. runs the vision tower over the images of the requests next in line, on the side stream beside that chunk;
+5. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
    request by its own rules (EOS ids, max_new_tokens, stop strings, cancellation) and streams tokens.
 Running rows thus wait for at most one prefill budget per chunk. No graph is captured per request: decode graphs are
 keyed by (batch bucket, KV bucket, mode), and the row is data.
@@ -41,6 +43,7 @@ import queue
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +73,7 @@ PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 # None: the pad token id) and media (joined in row order).
 PADDED_INPUTS = {"input_ids": None, "attention_mask": 0, "mm_token_type_ids": 0}
 JOINED_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+PIXELS = ("pixel_values", "pixel_values_videos")  # the tower's inputs: they leave a request once it is encoded
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 MAX_SLOTS = 512  # past this many rows a step's KV reads grow with the rows and tokens/s no longer does
@@ -455,7 +459,7 @@ class GraphBatchingManager:
                 chunk.events = (before, _event(), None)
             if chunk is not None:
                 in_flight.append(chunk)
-            self._media_ahead(scheduler, engine.device)
+            self._media_ahead(scheduler, engine)
             # One chunk stays queued while the host reads the one before; with nothing new queued, read them all.
             while len(in_flight) > (1 if chunk is not None else 0):
                 self._read(in_flight.popleft(), scheduler, runner)
@@ -492,15 +496,75 @@ class GraphBatchingManager:
             else:
                 sequence.cancelled = True  # its row frees when the chunks queued for it are read
 
-    def _media_ahead(self, scheduler, device) -> None:
-        """The pixels of the requests next in line (two prefill budgets) copied to the device now, while the GPU runs
-        the work just queued: their prefill then starts with no host copy, so that the decode steps it delays wait
-        less. A request whose pixels cannot be copied fails alone."""
-        for sequence in scheduler.upcoming(2 * self.max_prefill_tokens):
-            try:
-                _media_to(sequence.prompt, device)
-            except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
-                self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+    def _media_ahead(self, scheduler, engine) -> None:
+        """The images and videos of the requests next in line (two prefill budgets) encoded now, on the model's side
+        stream while the GPU runs the decode chunk just queued: their prefill then starts from the features, so the
+        decode steps it holds up wait for the language model only. A request whose media cannot be encoded fails
+        alone."""
+        pending = [sequence for sequence in scheduler.upcoming(2 * self.max_prefill_tokens) if _unencoded(sequence)]
+        try:
+            self._encode(pending, engine)
+        except Exception:  # noqa: BLE001 - one by one: only a bad request fails
+            for sequence in pending:
+                try:
+                    self._encode([sequence], engine)
+                except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
+                    self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+
+    def _encode(self, sequences: list, engine) -> None:
+        """The vision tower over `sequences`' images and videos in one call, on the side stream (a CUDA device): each
+        sequence's share of the features becomes its `media`, done when `media_done` is (`_media_of` waits); its
+        pixels leave it."""
+        if not sequences:
+            return
+        device = engine.device
+        side = engine.capturer.side_stream() if device.type == "cuda" else None
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            joined = {}
+            for key in JOINED_INPUTS:  # each copied on its own (no join on the host), then joined on the device
+                parts = [_to_device_but_grids(key, sequence.prompt[key], device) for sequence in sequences
+                         if key in sequence.prompt]
+                if parts:
+                    joined[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
+            media = media_features(self.model, joined)
+            done = _event() if side is not None else None
+        unit = self.model.config.vision_config.spatial_merge_size ** 2
+        shares = [[] for _ in sequences]
+        for kind, token, features, deepstack in media:
+            grids = f"{kind}_grid_thw"  # on the host
+            sizes = [int(sequence.prompt[grids].prod(-1).sum()) // unit if grids in sequence.prompt else 0
+                     for sequence in sequences]
+            for share, piece, *layers in zip(shares, features.split(sizes), *(layer.split(sizes) for layer in deepstack)):
+                if piece.shape[0]:
+                    share.append((kind, token, piece, layers))
+        for sequence, share in zip(sequences, shares):
+            sequence.media, sequence.media_done = share, done
+            for key in PIXELS:
+                sequence.prompt.pop(key, None)
+
+    def _media_of(self, sequences: list, engine) -> list:
+        """`sequences`' encoded media (encoded now where they were not ahead) joined per kind in row order, as a
+        prefill gathers them (images, then videos), the current stream waiting for their encoding."""
+        self._encode([sequence for sequence in sequences if _unencoded(sequence)], engine)
+        joined = []
+        for kind in ("image", "video"):
+            parts = [(token, features, layers) for sequence in sequences for each, token, features, layers
+                     in sequence.media or () if each == kind]
+            if len(parts) == 1:  # a request alone (a long prompt's every chunk): no copy
+                joined.append((kind, *parts[0]))
+            elif parts:
+                joined.append((kind, parts[0][0], torch.cat([features for _, features, _ in parts]),
+                               [torch.cat(layer) for layer in zip(*(layers for _, _, layers in parts))]))
+        if engine.device.type == "cuda":
+            stream = torch.cuda.current_stream()
+            for done in {id(sequence.media_done): sequence.media_done for sequence in sequences
+                         if sequence.media_done is not None}.values():
+                stream.wait_event(done)
+            for sequence in sequences:  # made on the side stream, read here: not reused until this stream is done
+                for _, _, features, layers in sequence.media or ():
+                    for tensor in (features, *layers):
+                        tensor.record_stream(stream)
+        return joined
 
     def _prepare(self, output, input_ids, inputs, settings, streaming, engine) -> Sequence:
         """A request as added, checked and resolved on the host: its inputs, its settings against the batch's
@@ -621,8 +685,8 @@ class GraphBatchingManager:
         (the ones that went on, their first tokens on their way to the host). A group whose prefill fails is tried
         again one by one, so that only a bad request fails."""
         groups = {}
-        for sequence in sorted(entered, key=lambda sequence: sequence.prompt_len):
-            groups.setdefault(tuple(sorted(sequence.prompt)), []).append(sequence)
+        for sequence in sorted(entered, key=lambda sequence: sequence.prompt_len):  # a kind: its inputs but the pixels,
+            groups.setdefault(tuple(sorted(set(sequence.prompt) - set(PIXELS))), []).append(sequence)  # encoded or not
         parts, capacity = [], engine.cache.capacity - self.past_end(engine)
         for group in groups.values():  # shortest first: a part's padding stays within the budget and every row
             part, most_new = [], 0
@@ -674,15 +738,14 @@ class GraphBatchingManager:
             inputs = {"input_ids": _to(ids, device), "attention_mask": _to(torch.ones_like(ids), device),
                       "position_ids": _to(first.positions[..., :length], device)}
             logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, start, rows=cache_rows, padded=False,
-                                              media=self._media_between(first, start, length, device))
+                                              media=self._media_between(first, start, length, engine))
             first.prefilled = length
             if first.prefilling:
                 runner.park(rows, length)
                 return None
             first.media = None
         else:
-            for sequence in part:  # each prompt's pixels on the device (most went ahead), joined there
-                _media_to(sequence.prompt, device)
+            media = self._media_of(part, engine)  # most encoded ahead
             inputs = _joined([sequence.prompt for sequence in part], self.generation_config.pad_token_id)
             length = inputs["input_ids"].shape[1]
             positions = torch.cat([F.pad(sequence.positions, (length - sequence.prompt_len, 0), value=1)
@@ -690,9 +753,10 @@ class GraphBatchingManager:
             padded = any(sequence.prompt_len != length for sequence in part)
             inputs = {key: _to_device_but_grids(key, value, device) for key, value in inputs.items()}
             inputs["position_ids"] = _to(positions, device)
-            logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded)
+            logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded,
+                                              media=media)
             for sequence in part:
-                sequence.prefilled = sequence.prompt_len
+                sequence.prefilled, sequence.media = sequence.prompt_len, None
         settings = {name: _to(torch.tensor([sequence.sampling[name] for sequence in part]), device)
                     for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
         runner.set_rows_sampling(rows, settings)
@@ -716,15 +780,11 @@ class GraphBatchingManager:
                 sequence.prompt.pop(key, None)
         return tokens
 
-    def _media_between(self, sequence: Sequence, start: int, end: int, device) -> list:
+    def _media_between(self, sequence: Sequence, start: int, end: int, engine) -> list:
         """`media_features` of the images and videos whose placeholders lie in the prompt's tokens [start, end): the
-        whole prompt's encoded once, then the rows of the placeholders before `start` skipped."""
-        if sequence.media is None:
-            _media_to(sequence.prompt, device)
-            pixels = {key: value for key, value in sequence.prompt.items() if key in JOINED_INPUTS}
-            sequence.media = media_features(self.model, pixels) if pixels else []
+        whole prompt's encoded once (`_media_of`), then the rows of the placeholders before `start` skipped."""
         ids, media = sequence.prompt["input_ids"][0], []
-        for kind, token, features, deepstack in sequence.media:
+        for kind, token, features, deepstack in self._media_of([sequence], engine):
             before, inside = int((ids[:start] == token).sum()), int((ids[start:end] == token).sum())
             if inside:
                 media.append((kind, token, features[before:before + inside],
@@ -813,6 +873,11 @@ def _event() -> torch.cuda.Event:
     return event
 
 
+def _unencoded(sequence: Sequence) -> bool:
+    """Whether a request's images or videos still wait for the tower."""
+    return sequence.media is None and any(key in sequence.prompt for key in PIXELS)
+
+
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:
     """`tensor` on `device` without waiting for the device's queued work (pinned first); a CUDA tensor is taken as is
     (`_prepare` keeps a request's tensors on the host: one on the device was moved there here)."""
@@ -821,13 +886,6 @@ def _to(tensor: torch.Tensor, device) -> torch.Tensor:
     if tensor.is_cuda:
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def _media_to(prompt: dict, device) -> None:
-    """A prompt's pixels (images', videos') moved to `device` in place, each on its own (no join on the host)."""
-    for key in JOINED_INPUTS:
-        if key in prompt:
-            prompt[key] = _to_device_but_grids(key, prompt[key], device)
 
 
 def _to_device_but_grids(key: str, tensor: torch.Tensor, device) -> torch.Tensor:

@@ -44,7 +44,8 @@ class Sequence:
     row: int | None = None
     length: int = 0  # cache slots its row holds (prompt, then one per step)
     prefilled: int = 0  # prompt tokens in its row so far (a long prompt enters in chunks)
-    media: list | None = None  # a prompt prefilled in chunks: its images' and videos' features, encoded once
+    media: list | None = None  # its images' and videos' features once encoded (ahead of its prefill), in order
+    media_done: object = None  # the CUDA event after which they are on the device (None: on the CPU)
     delivered: int = 0  # generated tokens already streamed
     cancelled: bool = False
     done: bool = False

@@ -411,27 +411,55 @@ def test_the_requests_next_in_line_are_those_of_two_budgets():
     assert [sequence.prompt_len for sequence in scheduler.upcoming(100)] == [12, 5, 4, 3]
 
 
-def test_pixels_that_cannot_reach_the_device_fail_their_request_alone(monkeypatch):
-    """A request whose pixels fail to move to the device fails with that error; the others generate as alone, and a
-    prefilled request's prompt no longer holds its pixels."""
+def test_images_are_encoded_ahead_of_their_prefill_while_rows_decode(monkeypatch):
+    """Two rows, six requests: the images of the requests next in line go through the tower right after a decode
+    chunk is queued (on a GPU: on the side stream, beside it), several in one call; each prefill then takes their
+    features, its prompts holding no pixels; every request generates as alone."""
+    import qwen3vl_static.batching_qwen3vl_graph as batching
+
+    ours, stock = new_pair(max_batch_size=2)
+    requests, expected = requests_and_expected(stock, 6, cases=[CASES[0], CASES[2], TEXT])
+    events = record_work(ours)
+    encode, joined = batching.media_features, batching._joined
+
+    def media_features(model, inputs):
+        events.append(("encode", inputs["image_grid_thw"].shape[0]))
+        return encode(model, inputs)
+
+    def joined_prompts(prompts, pad_id):
+        assert not any(key in prompt for prompt in prompts for key in batching.PIXELS)
+        return joined(prompts, pad_id)
+
+    monkeypatch.setattr(batching, "media_features", media_features)
+    monkeypatch.setattr(batching, "_joined", joined_prompts)
+    results = list(ours.generate_batch(requests, progress_bar=False).values())
+    assert [result.generated_tokens for result in results] == expected
+    encodes = [index for index, event in enumerate(events) if event[0] == "encode"]
+    assert sum(events[index][1] for index in encodes) == 4  # each image once
+    assert any(events[index][1] == 2 for index in encodes)  # two requests' images in one call
+    assert any(events[index - 1][0] == "decode" for index in encodes)  # right after a chunk, ahead of the prefill
+
+
+def test_media_that_cannot_be_encoded_fail_their_request_alone(monkeypatch):
+    """A request whose images fail in the tower fails with that error, whether it was encoded with others ahead of
+    its prefill or at it; the others generate as alone."""
     import qwen3vl_static.batching_qwen3vl_graph as batching
 
     ours, stock = new_pair()
-    requests, expected = requests_and_expected(stock, 4)
-    bad = requests[2]["pixel_values"].shape
-    moved, prompts = batching._media_to, []
+    requests, expected = requests_and_expected(stock, 6, cases=[CASES[0], CASES[2], TEXT])
+    bad = requests[4]["pixel_values"] = requests[4]["pixel_values"].clone()
+    bad[0, 0] = float("nan")
+    encode = batching.media_features
 
-    def media_to(prompt, device):
-        prompts.append(prompt)
-        if "pixel_values" in prompt and prompt["pixel_values"].shape == bad:
-            raise RuntimeError("the copy failed")
-        moved(prompt, device)
+    def media_features(model, inputs):
+        if inputs["pixel_values"].isnan().any():
+            raise RuntimeError("the tower failed")
+        return encode(model, inputs)
 
-    monkeypatch.setattr(batching, "_media_to", media_to)
-    results = list(ours.generate_batch(requests, progress_bar=False).values())
-    assert results[2].status == RequestStatus.FAILED and "the copy failed" in results[2].error
-    for index in (0, 1, 3):
-        assert results[index].status == RequestStatus.FINISHED
-        assert results[index].generated_tokens == expected[index]
-    good = [prompt for prompt in prompts if prompt["input_ids"].shape == requests[0]["input_ids"].shape]
-    assert good and not any("pixel_values" in prompt for prompt in good)  # dropped once in its row
+    monkeypatch.setattr(batching, "media_features", media_features)
+    for rows in (2, 4):  # encoded ahead with the next request's; at the prefill with its part's
+        results = list(ours.generate_batch(requests, progress_bar=False, max_batch_size=rows).values())
+        assert results[4].status == RequestStatus.FAILED and "the tower failed" in results[4].error
+        for index in (0, 1, 2, 3, 5):
+            assert results[index].status == RequestStatus.FINISHED
+            assert results[index].generated_tokens == expected[index]
