@@ -415,9 +415,11 @@ class GraphBatchingManager:
         in_flight, streaming_steps = deque(), StreamingSteps(runner.steps_per_sync)
         while True:
             self._take_in(scheduler, engine, wait=not (scheduler.has_work() or in_flight))
-            # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter.
+            # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter, while rows
+            # decode only once their images are encoded (ahead, beside a chunk): the rows wait for no tower.
             prefilling = [sequence for sequence in scheduler.running.values() if sequence.prefilling]
-            entered = prefilling[:1] or scheduler.schedule()
+            decoding_rows = len(prefilling) < len(scheduler.running)
+            entered = prefilling[:1] or scheduler.schedule(_encoded if decoding_rows else None)
             chunk, timed = None, engine.device.type == "cuda"
             gpu_idle = in_flight[-1].finished() if in_flight else None  # before this turn queues anything
             behind = None if gpu_idle is None else gpu_idle or self._clients_behind
@@ -876,6 +878,11 @@ def _event() -> torch.cuda.Event:
 def _unencoded(sequence: Sequence) -> bool:
     """Whether a request's images or videos still wait for the tower."""
     return sequence.media is None and any(key in sequence.prompt for key in PIXELS)
+
+
+def _encoded(sequence: Sequence) -> bool:
+    """Whether a request may enter without running the tower: it has no images or videos, or they are encoded."""
+    return not _unencoded(sequence)
 
 
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:

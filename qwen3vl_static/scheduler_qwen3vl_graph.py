@@ -89,11 +89,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list:
-        """The waiting requests that enter now, each given a free row: in arrival order, while rows are free and their
-        prompts fit `max_prefill_tokens` together (the first one always enters)."""
+    def schedule(self, ready=None) -> list:
+        """The waiting requests that enter now, each given a free row: in arrival order, while rows are free, their
+        prompts fit `max_prefill_tokens` together (the first one always enters) and `ready(request)` holds (None:
+        always)."""
         admitted, tokens = [], 0
-        while self.waiting and self.free:
+        while self.waiting and self.free and (ready is None or ready(self.waiting[0])):
             cost = self.waiting[0].prompt_len
             if admitted and tokens + cost > self.max_prefill_tokens:
                 break

@@ -400,7 +400,8 @@ def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():
 
 def test_the_requests_next_in_line_are_those_of_two_budgets():
     """`Scheduler.upcoming`: the waiting requests in arrival order whose prompts fit the tokens given (the first one
-    always), whose pixels the manager copies to the device while the GPU runs the chunk it just queued."""
+    always), whose images the manager encodes while the GPU runs the chunk it just queued. `schedule(ready)` admits in
+    arrival order up to the first that is not ready."""
     from qwen3vl_static.scheduler_qwen3vl_graph import Scheduler, Sequence
 
     scheduler = Scheduler(rows=2, max_prefill_tokens=10)
@@ -409,6 +410,10 @@ def test_the_requests_next_in_line_are_those_of_two_budgets():
     assert [sequence.prompt_len for sequence in scheduler.upcoming(20)] == [12, 5]
     assert [sequence.prompt_len for sequence in scheduler.upcoming(5)] == [12]
     assert [sequence.prompt_len for sequence in scheduler.upcoming(100)] == [12, 5, 4, 3]
+    assert scheduler.schedule(ready=lambda sequence: sequence.prompt_len != 12) == []
+    assert [sequence.prompt_len for sequence in scheduler.schedule(ready=lambda sequence: True)] == [12]
+    assert scheduler.schedule(ready=lambda sequence: sequence.prompt_len != 5) == []
+    assert [sequence.prompt_len for sequence in scheduler.schedule()] == [5]  # the last free row
 
 
 def test_images_are_encoded_ahead_of_their_prefill_while_rows_decode(monkeypatch):
@@ -463,3 +468,32 @@ def test_media_that_cannot_be_encoded_fail_their_request_alone(monkeypatch):
         for index in (0, 1, 2, 3, 5):
             assert results[index].status == RequestStatus.FINISHED
             assert results[index].generated_tokens == expected[index]
+
+
+def test_while_rows_decode_an_image_request_enters_once_encoded_beside_a_chunk(monkeypatch):
+    """An image request that arrives while a row decodes is not prefilled at once, with its tower inside the
+    prefill's window: its images are encoded right after the next chunk is queued (on a GPU: beside it), and it enters
+    the turn after. Both answers are as alone."""
+    import qwen3vl_static.batching_qwen3vl_graph as batching
+
+    ours, stock = new_pair(steps_per_sync=2)
+    (text, picture), expected = requests_and_expected(stock, 2, lengths=[40, 5], cases=[TEXT, CASES[0]])
+    events = record_work(ours)
+    encode = batching.media_features
+    monkeypatch.setattr(batching, "media_features",
+                        lambda model, inputs: events.append(("encode", 1)) or encode(model, inputs))
+    manager = ours.init_continuous_batching()
+    enter = manager._enter
+    manager._enter = lambda entered, *args: events.append(("enter", len(entered))) or enter(entered, *args)
+    manager.start()
+    try:
+        first = manager.add_request(**text, streaming=True)
+        streamed = iter(manager.request_id_iter(first))
+        next(streamed)  # it decodes
+        second = manager.add_request(**picture)
+        assert manager.get_result(second, timeout=60).generated_tokens == expected[1]
+        assert list(streamed)[-1].generated_tokens == expected[0]
+    finally:
+        manager.stop()
+    at = events.index(("encode", 1))
+    assert events[at - 1][0] == "decode" and events[at + 1 : at + 3] == [("enter", 1), ("prefill", 1)]
