@@ -179,11 +179,12 @@ def ttft_breakdown(ours, stock, prompts) -> list:
     return rows
 
 
-def graph_pool_gib(pool) -> float:
-    """GiB reserved in the CUDA graph memory pool `pool` (a model's `graph_engine().capturer.pool`; None before its
-    first capture: 0)."""
+def graph_pool_gib(*pools) -> float:
+    """GiB reserved in the CUDA graph memory pools `pools` (a model's `graph_engine().capturer.pool` and its vision
+    runner's; None before a first capture: 0)."""
+    ids = {tuple(pool) for pool in pools if pool is not None}
     return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
-               if pool is not None and tuple(segment["segment_pool_id"]) == tuple(pool)) / 2**30
+               if tuple(segment["segment_pool_id"]) in ids) / 2**30
 
 
 def measure_ours(system, model, args, prompts, image):
@@ -194,7 +195,8 @@ def measure_ours(system, model, args, prompts, image):
     model.warmup(batch_sizes=args.batch_sizes, cache_lengths=[args.context + LONG, image["input_ids"].shape[1] + 128],
                  modes=("greedy",))
     warmup_s = time.perf_counter() - began
-    graph_pool_gb = graph_pool_gib(model.graph_engine().capturer.pool)
+    engine = model.graph_engine()
+    graph_pool_gb = graph_pool_gib(engine.capturer.pool, engine.vision.capturer.pool)
     rows = measure(system, model, prompts, image)
     for row in rows:
         row.update(warmup_s=warmup_s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30,

@@ -13,9 +13,11 @@
 # limitations under the License.
 """GraphCapturer: how every CUDA graph of a model is captured (vision tower, prefill, decode step).
 
-All graphs share one memory pool, so a model pays for the largest graph's scratch memory once, not per graph.
-That is safe because graphs are replayed one at a time (`generate` holds a lock) and no graph keeps an output
-in pool memory: each step writes its results into its runner's own static buffers.
+The graphs of one capturer share its memory pool, so a model pays for the largest graph's scratch memory once, not per
+graph. That is safe because they are replayed one at a time (on one stream, or `generate`'s lock between calls) and
+no graph keeps an output in pool memory: each step writes its results into its runner's own static buffers. The
+language model's graphs share one capturer; the vision tower's have one of their own (the same side stream, another
+pool), as continuous batching replays them on the side stream while the decode step's run.
 """
 
 import time
@@ -30,10 +32,11 @@ logger = logging.get_logger(__name__)
 
 
 class GraphCapturer:
-    def __init__(self):
+    def __init__(self, streams_of: "GraphCapturer | None" = None):
         self.pool = None
         self.pool_graphs = weakref.WeakSet()  # the graphs captured into `pool` that are still alive
         self.stream = None  # one side stream: each new stream would get its own cuBLAS workspace
+        self.streams_of = streams_of  # the capturer whose side stream this one shares
 
     def capture(self, step, state=(), name: str = "graph") -> torch.cuda.CUDAGraph:
         """Capture `step()` (no arguments, static buffers only) after two warm-up runs on the side stream.
@@ -69,6 +72,8 @@ class GraphCapturer:
     def side_stream(self) -> torch.cuda.Stream:
         """The model's one stream beside the default one: captures warm up on it, and the vision tower runs ahead on
         it (`VisionRunner.encode_ahead`)."""
+        if self.streams_of is not None:
+            return self.streams_of.side_stream()
         if self.stream is None:
             self.stream = torch.cuda.Stream()
         return self.stream

@@ -14,8 +14,8 @@
 """GraphEngine: everything the fast path of one model holds, for its weights' device and dtype.
 
 It owns the persistent KV cache, the op set (fused Triton kernels or their torch references) with its own kernel
-tuner (measured choices are per engine: two models in one process never share them), the graph capturer (one memory
-pool and one side stream for every graph) and the three runners, each given the weights and modules it computes
+tuner (measured choices are per engine: two models in one process never share them), the graph capturers (one side
+stream; a memory pool for the language model's graphs, one for the tower's) and the three runners, each given the weights and modules it computes
 with. The model builds an engine on first use and again once its weights move or are replaced (`current`).
 """
 
@@ -69,8 +69,9 @@ class GraphEngine:
         )
         vision_weight = visual.patch_embed.proj.weight
         vision_ops = make_ops(vision_weight.device, vision_weight.dtype, config.use_triton_kernels, self.tuner)
+        # The tower's graphs in a pool of their own: continuous batching replays them beside the decode step's.
         self.vision = VisionRunner(visual, vision_ops, config.vision_graph_patches, config.vision_table_cache_size,
-                                   self.capturer, graphs, bucketed)
+                                   GraphCapturer(streams_of=self.capturer), graphs, bucketed)
         visual.runner = self.vision  # every caller of the tower gets the runner
         self.speculative = None  # `use_draft`'s
 

@@ -24,12 +24,13 @@ GIB = 2**30
 
 
 def memory(model=None) -> dict:
-    """GiB reserved in all, in `model`'s graph pool (none: 0), and allocated, after emptying the cache."""
+    """GiB reserved in all, in `model`'s graph pools (none: 0), and allocated, after emptying the cache."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    pool = None if model is None else model.graph_engine().capturer.pool
-    return {"reserved_gib": torch.cuda.memory_reserved() / GIB, "graph_pool_gib": graph_pool_gib(pool),
+    engine = None if model is None else model.graph_engine()
+    pools = () if engine is None else (engine.capturer.pool, engine.vision.capturer.pool)
+    return {"reserved_gib": torch.cuda.memory_reserved() / GIB, "graph_pool_gib": graph_pool_gib(*pools),
             "allocated_gib": torch.cuda.memory_allocated() / GIB}
 
 
