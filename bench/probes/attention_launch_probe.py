@@ -5,8 +5,9 @@ of 512 slots: about a third of its 2.77 ms step; long contexts), at the shipped 
 64 slots, 4 warps, 3 stages) and at tiles of 128 slots, twice the tiles per program, 2 or 8 warps and 1 or 2 stages,
 timed as the tuner times a candidate. Reports microseconds, the K/V bandwidth and each form's largest difference from
 the shipped form. `--shapes ROWS:KV_LEN:LENGTH ...` measures other shapes (e.g. the benchmark's decode, 512-token
-prompts in the 1024-slot bucket: 1:1024:576 8:1024:576).
-Run: python bench/probes/attention_launch_probe.py [--shapes ...]
+prompts in the 1024-slot bucket: 1:1024:576 8:1024:576). `--kv-cache-dtype fp8` reads a float8 cache (the opt-in
+`kv_cache_dtype`), half the bytes: the bandwidth counts the bytes read.
+Run: python bench/probes/attention_launch_probe.py [--shapes ...] [--kv-cache-dtype fp8]
 """
 
 import argparse
@@ -48,12 +49,13 @@ def attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, chunk
     return out
 
 
-def measure(rows, kv_len, length, generator) -> dict:
+def measure(rows, kv_len, length, generator, kv_dtype=torch.bfloat16) -> dict:
     """Every form on one shape: microseconds, K/V bandwidth, largest difference from the shipped form."""
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator, device="cuda", dtype=torch.bfloat16)
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=generator, device="cuda", dtype=torch.bfloat16).to(dtype)
 
-    operands = (randn(rows, HEADS, DIM), randn(rows, KV_HEADS, kv_len, DIM), randn(rows, KV_HEADS, kv_len, DIM),
+    operands = (randn(rows, HEADS, DIM), randn(rows, KV_HEADS, kv_len, DIM, dtype=kv_dtype),
+                randn(rows, KV_HEADS, kv_len, DIM, dtype=kv_dtype),
                 torch.full((rows,), length - 1, device="cuda"),
                 torch.ones(rows, kv_len, dtype=torch.bool, device="cuda"), torch.arange(rows, device="cuda"))
     tiles = split_tiles(rows, KV_HEADS, kv_len)
@@ -65,8 +67,8 @@ def measure(rows, kv_len, length, generator) -> dict:
             attention(*operands, kv_len, chunk, form_tiles, warps, stages))
     outputs = {name: call().float() for name, call in forms.items()}
     times = dict(zip(forms, KernelTuner().time_calls(list(forms.values()))))
-    gigabytes = 2 * rows * KV_HEADS * length * DIM * 2 / 1e9
-    return {"rows": rows, "kv_len": kv_len, "length": length, "kv_gb": gigabytes, "us": times,
+    gigabytes = 2 * rows * KV_HEADS * length * DIM * operands[1].element_size() / 1e9
+    return {"rows": rows, "kv_len": kv_len, "length": length, "kv_dtype": str(kv_dtype), "kv_gb": gigabytes, "us": times,
             "tb_per_s": {name: gigabytes / us * 1e3 for name, us in times.items()},
             "max_abs_diff_vs_shipped": {name: (out - outputs["shipped"]).abs().max().item()
                                         for name, out in outputs.items()}}
@@ -77,11 +79,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", metavar="ROWS:KV_LEN:LENGTH",
                         default=[":".join(map(str, shape)) for shape in SHAPES])
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     args = parser.parse_args()
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows_out = []
     for shape in [tuple(int(part) for part in text.split(":")) for text in args.shapes]:
-        row = measure(*shape, generator)
+        row = measure(*shape, generator, kv_dtype)
         rows_out.append(row)
         times = row["us"]
         best = min(times, key=times.get)
