@@ -59,12 +59,13 @@ class EngineProcess:
     fails raises here with the engine's error."""
 
     def __init__(self, context, build_model, build_processor, max_batch_size: int | None, max_waiting: int,
-                 fronts: int):
+                 fronts: int, max_prefill_tokens: int | None = None):
         pipes = [context.Pipe() for _ in range(fronts)]
         self._control, control = context.Pipe()
         self.process = context.Process(
             target=_engine_main, name="qwen3vl-static-engine",
-            args=(build_model, build_processor, max_batch_size, max_waiting, [engine for _, engine in pipes], control))
+            args=(build_model, build_processor, max_batch_size, max_waiting, [engine for _, engine in pipes], control,
+                  max_prefill_tokens))
         self.process.start()
         for _, engine in pipes:  # the engine holds these; closing ours lets each side see the other end
             engine.close()
@@ -92,7 +93,8 @@ class EngineProcess:
 # -- the engine's side ---------------------------------------------------------------------------------------------
 
 
-def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int, connections: list, control) -> None:
+def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int, connections: list, control,
+                 max_prefill_tokens: int | None) -> None:
     # The server's first process stops the engine after the HTTP processes drained: Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -100,7 +102,8 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
     try:
         processor = build_processor()
         model = build_model()
-        manager = model.init_continuous_batching(max_batch_size=max_batch_size,
+        budget = {} if max_prefill_tokens is None else {"max_prefill_tokens": max_prefill_tokens}  # None: the default
+        manager = model.init_continuous_batching(max_batch_size=max_batch_size, **budget,
                                                  tokenizer=getattr(processor, "tokenizer", processor))
         engine = model.graph_engine()
         normalizer = PixelNormalizer.for_processor(processor)
@@ -112,8 +115,9 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
     except Exception as error:  # noqa: BLE001 - reported to the first process, which raises it
         control.send(("failed", f"{type(error).__name__}: {error}"))
         return
-    logger.info("engine process [%d]: %d rows of %d slots; image patches cross as %s", os.getpid(), engine.cache.rows,
-                engine.cache.capacity, "uint8, normalized here" if normalizer is not None else
+    logger.info("engine process [%d]: %d rows of %d slots, up to %d prompt tokens prefilled between decode chunks; "
+                "image patches cross as %s", os.getpid(), engine.cache.rows, engine.cache.capacity,
+                manager.max_prefill_tokens, "uint8, normalized here" if normalizer is not None else
                 "float32 (the processor's own)")
     control.send(("ready", info))
     asyncio.run(_Engine(manager, normalizer, info.max_requests, connections).run(control))
