@@ -73,6 +73,7 @@ PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 # None: the pad token id) and media (joined in row order).
 PADDED_INPUTS = {"input_ids": None, "attention_mask": 0, "mm_token_type_ids": 0}
 JOINED_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+BATCH_MODES = ("greedy", "sample_seeded", "sample_top_k_seeded")  # `batch_mode`'s without penalties
 PIXELS = ("pixel_values", "pixel_values_videos")  # the tower's inputs: they leave a request once it is encoded
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -214,6 +215,13 @@ class GraphBatchingManager:
                                     "admitted"), 0)
 
     # -- transformers' manager API --------------------------------------------------------------------------
+
+    def warmup(self) -> float:
+        """Capture ahead what the batch replays, so that no request waits for a graph capture or a kernel measurement:
+        the decode step of every batch bucket and cache length in the greedy and both sampling modes, and the prefills
+        within the graph budget (`model.warmup`; a new image size's tower graph is still captured on first use).
+        Returns the seconds it took (0 where graphs are not used)."""
+        return self.model.warmup(modes=BATCH_MODES)
 
     def start(self) -> None:
         if self.is_running():

@@ -80,11 +80,12 @@ def server_main(argv=None) -> None:
     parser.add_argument("--api-server-count", type=int)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--max-prefill-tokens", type=int)
+    parser.add_argument("--warmup", action="store_true")
     args = parser.parse_args(argv)
     from .server import serve
 
     serve(partial(bench_model, args.model, args.kv_cache_dtype), partial(bench_processor, args.model), NAME, port=args.port,
-          api_servers=args.api_server_count, max_prefill_tokens=args.max_prefill_tokens)
+          api_servers=args.api_server_count, max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup)
 
 
 def image_url(generator: np.random.Generator) -> str:
@@ -278,6 +279,8 @@ def server_rows(args) -> dict:
             child += ["--api-server-count", str(args.server_api_server_count)]
         if args.server_max_prefill_tokens:
             child += ["--max-prefill-tokens", str(args.server_max_prefill_tokens)]
+        if args.server_warmup:
+            child += ["--warmup"]
         process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static.bench_server", *child], stdout=sink,
                                    stderr=subprocess.STDOUT)
     try:
@@ -322,6 +325,7 @@ def server_rows(args) -> dict:
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "kv_cache_dtype": args.kv_cache_dtype,
             "max_prefill_tokens": args.server_max_prefill_tokens or "serve's default",
+            "warmup": args.server_warmup,
             "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG data URL",
             "image_processor": type(processor.image_processor).__name__,
             "question_tokens": QUESTION_TOKENS,

@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-prefill-tokens", type=positive_int,
                         help="prompt tokens prefilled between two decode chunks: fewer hold decoding requests up for "
                         "less time, more admit waiting ones sooner (default 8192)")
+    server.add_argument("--warmup", action="store_true",
+                        help="capture the batch's CUDA graphs (every batch size, cache length and sampling mode) and "
+                        "measure its kernels before taking requests, so that the first ones wait for neither")
     server.add_argument("--max-waiting", type=positive_int, default=256,
                         help="requests waiting for a free row; more get 503 (default 256)")
     server.add_argument("--max-request-mb", type=float, default=50, help="largest request body, MiB (default 50)")
@@ -195,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the --server server's HTTP processes (default: serve's)")
     bench.add_argument("--server-max-prefill-tokens", type=positive_int,
                        help="the --server server's --max-prefill-tokens (default: serve's)")
+    bench.add_argument("--server-warmup", action="store_true", help="start the --server server with --warmup")
     bench.add_argument("--speculative", action="store_true",
                        help="only speculative decoding's parts (a random EAGLE-3 draft of the published format) beside "
                             "the plain decode step, at K = 1..7 draft tokens")
@@ -373,7 +377,7 @@ def _serve(args) -> int:
     serve(partial(load_for_serving, args.model, str(_device(args)), args.cache_len, args.kv_cache_dtype),
           partial(load_processor, args.model), args.served_model_name or args.model, host=args.host, port=args.port,
           api_servers=args.api_server_count, max_batch_size=args.slots, max_prefill_tokens=args.max_prefill_tokens,
-          api_key=args.api_key,
+          warmup=args.warmup, api_key=args.api_key,
           limits=ServerLimits(max_waiting=args.max_waiting, max_body_bytes=int(args.max_request_mb * mib),
                               max_images=args.max_images),
           media=MediaLimits(max_bytes=int(args.max_image_mb * mib), max_pixels=args.max_image_pixels,

@@ -59,13 +59,13 @@ class EngineProcess:
     fails raises here with the engine's error."""
 
     def __init__(self, context, build_model, build_processor, max_batch_size: int | None, max_waiting: int,
-                 fronts: int, max_prefill_tokens: int | None = None):
+                 fronts: int, max_prefill_tokens: int | None = None, warmup: bool = False):
         pipes = [context.Pipe() for _ in range(fronts)]
         self._control, control = context.Pipe()
         self.process = context.Process(
             target=_engine_main, name="qwen3vl-static-engine",
             args=(build_model, build_processor, max_batch_size, max_waiting, [engine for _, engine in pipes], control,
-                  max_prefill_tokens))
+                  max_prefill_tokens, warmup))
         self.process.start()
         for _, engine in pipes:  # the engine holds these; closing ours lets each side see the other end
             engine.close()
@@ -94,7 +94,7 @@ class EngineProcess:
 
 
 def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int, connections: list, control,
-                 max_prefill_tokens: int | None) -> None:
+                 max_prefill_tokens: int | None, warmup: bool) -> None:
     # The server's first process stops the engine after the HTTP processes drained: Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -105,6 +105,8 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
         budget = {} if max_prefill_tokens is None else {"max_prefill_tokens": max_prefill_tokens}  # None: the default
         manager = model.init_continuous_batching(max_batch_size=max_batch_size, **budget,
                                                  tokenizer=getattr(processor, "tokenizer", processor))
+        if warmup:
+            logger.info("engine process: graphs of the batch captured ahead in %.1f s", manager.warmup())
         engine = model.graph_engine()
         normalizer = PixelNormalizer.for_processor(processor)
         eos = model.generation_config.eos_token_id

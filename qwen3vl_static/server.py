@@ -600,10 +600,11 @@ def default_api_servers() -> int:
 
 def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_servers: int | None = None, max_batch_size: int | None = None,
-          max_prefill_tokens: int | None = None, **settings) -> None:
+          max_prefill_tokens: int | None = None, warmup: bool = False, **settings) -> None:
     """Serve the model `build_model()` returns with the processor `build_processor()` returns (both picklable
     callables: they run in the processes started here; `max_batch_size`: the batch's rows, None: sized from memory;
-    `max_prefill_tokens`: the prompt tokens prefilled between two decode chunks, None: the batch's default)
+    `max_prefill_tokens`: the prompt tokens prefilled between two decode chunks, None: the batch's default; `warmup`:
+    capture the batch's graphs before taking requests)
     from one engine process and `api_servers` HTTP processes (None: `default_api_servers()`) until SIGINT / SIGTERM,
     which drain them (`settings`: `OpenAIServer`'s)."""
     api_servers = api_servers or default_api_servers()
@@ -611,7 +612,7 @@ def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1"
     context = multiprocessing.get_context("spawn")  # nothing of this process (threads, CUDA) goes along
     limits = settings.get("limits", ServerLimits())
     engine = EngineProcess(context, build_model, build_processor, max_batch_size, limits.max_waiting, api_servers,
-                           max_prefill_tokens)
+                           max_prefill_tokens, warmup)
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     listener = socket.create_server((host, port), family=family, backlog=2048)
     port = listener.getsockname()[1]

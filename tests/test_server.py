@@ -36,7 +36,8 @@ CACHE_LEN = 1024
 ROOM = CACHE_LEN - 2 * 8  # a row less the steps it may run past its end (steps_per_sync 8)
 MAX_IMAGE_BYTES = 50_000
 SERVER_FLAGS = ["--device", "cpu", "--port", "0", "--served-model-name", NAME, "--api-key", KEY, "--slots", "4",
-                "--cache-len", str(CACHE_LEN), "--max-prefill-tokens", "4096", "--max-waiting", "4", "--max-images", "2",
+                "--cache-len", str(CACHE_LEN), "--max-prefill-tokens", "4096", "--warmup", "--max-waiting", "4",
+                "--max-images", "2",
                 "--max-image-pixels", str(128 * 128), "--max-image-mb", str(MAX_IMAGE_BYTES / 2**20),
                 "--max-request-mb", "1", "--media-timeout", "1", "--api-server-count", "2"]
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -353,6 +354,7 @@ def test_models_and_health(server, client):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # no key needed
     assert "image patches cross as uint8, normalized here" in server.log_text()
     assert "4 rows of 1024 slots, up to 4096 prompt tokens prefilled between decode chunks" in server.log_text()
+    assert "graphs of the batch captured ahead in 0.0 s" in server.log_text()  # none on the CPU
     assert server.log_text().count("Application startup complete") == 2  # --api-server-count 2
 
 
