@@ -209,10 +209,11 @@ class GraphBatchingManager:
         self.error = None  # what ended the batch itself, if anything did
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU and
         # issuing admissions, decode steps, row-steps queued (rows covered x steps) and of them held by a request,
-        # prefill launches (and of them run eagerly for want of a graph) and the requests they admitted.
+        # prefill launches (and of them run eagerly for want of a graph) and the requests they admitted, requests with
+        # images encoded ahead (beside a chunk) and at their admission.
         self.stats = dict.fromkeys(("prefill_ms", "stall_ms", "decode_ms", "host_wait_ms", "admit_host_ms", "chunks",
                                     "steps", "row_steps", "request_steps", "prefills", "eager_prefills", "stalls",
-                                    "admitted"), 0)
+                                    "admitted", "encoded_ahead", "encoded_at_admission"), 0)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -513,18 +514,18 @@ class GraphBatchingManager:
         alone."""
         pending = [sequence for sequence in scheduler.upcoming(2 * self.max_prefill_tokens) if _unencoded(sequence)]
         try:
-            self._encode(pending, engine)
+            self._encode(pending, engine, ahead=True)
         except Exception:  # noqa: BLE001 - one by one: only a bad request fails
             for sequence in pending:
                 try:
-                    self._encode([sequence], engine)
+                    self._encode([sequence], engine, ahead=True)
                 except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
                     self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
 
-    def _encode(self, sequences: list, engine) -> None:
+    def _encode(self, sequences: list, engine, ahead: bool) -> None:
         """The vision tower over `sequences`' images and videos in one call, on the side stream (a CUDA device): each
         sequence's share of the features becomes its `media`, done when `media_done` is (`_media_of` waits); its
-        pixels leave it."""
+        pixels leave it. `ahead`: beside a decode chunk, not at their admission (counted apart)."""
         if not sequences:
             return
         device = engine.device
@@ -551,11 +552,12 @@ class GraphBatchingManager:
             sequence.media, sequence.media_done = share, done
             for key in PIXELS:
                 sequence.prompt.pop(key, None)
+        self.stats["encoded_ahead" if ahead else "encoded_at_admission"] += len(sequences)
 
     def _media_of(self, sequences: list, engine) -> list:
         """`sequences`' encoded media (encoded now where they were not ahead) joined per kind in row order, as a
         prefill gathers them (images, then videos), the current stream waiting for their encoding."""
-        self._encode([sequence for sequence in sequences if _unencoded(sequence)], engine)
+        self._encode([sequence for sequence in sequences if _unencoded(sequence)], engine, ahead=False)
         joined = []
         for kind in ("image", "video"):
             parts = [(token, features, layers) for sequence in sequences for each, token, features, layers

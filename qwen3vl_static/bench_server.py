@@ -177,13 +177,15 @@ def metrics(base: str) -> dict:
 def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch, how often
     and for how long admissions held up decoding rows (a stream's longest gaps: a stall and the chunk before it), the
-    steps per chunk (the tokens a stream gets at once). Per prefill launch: its GPU time (the vision tower's included),
-    the batch thread's host time issuing it (where that comes near the GPU time, the host bounds admissions) and
-    whether it ran eagerly for want of a graph."""
+    steps per chunk (the tokens a stream gets at once). Per prefill launch: its GPU time (a vision tower still running
+    beside it included), the batch thread's host time issuing it (where that comes near the GPU time, the host bounds
+    admissions) and whether it ran eagerly for want of a graph. Of the requests with images, the share the tower
+    encoded beside a decode chunk rather than as they entered."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
     prefills, stalls = grown("prefills_total"), grown("stalls_total")
+    ahead = grown("requests_encoded_ahead_total")
     return {"gpu_prefill_busy": grown("gpu_prefill_seconds_total") / seconds,
             "gpu_decode_busy": grown("gpu_decode_seconds_total") / seconds, "prefills": int(prefills),
             "requests_per_prefill": grown("admitted_requests_total") / max(prefills, 1),
@@ -193,7 +195,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "stalls_per_s": stalls / seconds, "stall_ms_mean": 1000 * grown("gpu_stall_seconds_total") / max(stalls, 1),
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),
-            "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds}
+            "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds,
+            "encoded_ahead_share": ahead / max(ahead + grown("requests_encoded_at_admission_total"), 1)}
 
 
 def process_cpu_s(pid: int | None = None) -> float:

@@ -52,7 +52,8 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 
 # The batch's counters (`GraphBatchingManager.stats`) at GET /metrics: name, scale, help.
 METRICS = {
-    "prefill_ms": ("qwen3vl_static_gpu_prefill_seconds_total", 1e-3, "GPU time in prefills (vision tower included)"),
+    "prefill_ms": ("qwen3vl_static_gpu_prefill_seconds_total", 1e-3,
+                   "GPU time in prefills (on the default stream: a tower still running beside it included)"),
     "stall_ms": ("qwen3vl_static_gpu_stall_seconds_total", 1e-3,
                  "GPU time in prefills that held up rows decoding (their next tokens waited)"),
     "decode_ms": ("qwen3vl_static_gpu_decode_seconds_total", 1e-3, "GPU time in decode steps"),
@@ -67,6 +68,10 @@ METRICS = {
                        "prefill launches run eagerly although graphs are on (no graph bucket fits their rows)"),
     "stalls": ("qwen3vl_static_stalls_total", 1, "admission turns that held up rows decoding"),
     "admitted": ("qwen3vl_static_admitted_requests_total", 1, "requests that entered the batch"),
+    "encoded_ahead": ("qwen3vl_static_requests_encoded_ahead_total", 1,
+                      "requests whose images the vision tower encoded beside a decode chunk, before they entered"),
+    "encoded_at_admission": ("qwen3vl_static_requests_encoded_at_admission_total", 1,
+                             "requests whose images the vision tower encoded as they entered"),
     "engine_cpu_s": ("qwen3vl_static_engine_cpu_seconds_total", 1, "CPU time of the engine process"),
 }
 

@@ -497,3 +497,4 @@ def test_while_rows_decode_an_image_request_enters_once_encoded_beside_a_chunk(m
         manager.stop()
     at = events.index(("encode", 1))
     assert events[at - 1][0] == "decode" and events[at + 1 : at + 3] == [("enter", 1), ("prefill", 1)]
+    assert (manager.stats["encoded_ahead"], manager.stats["encoded_at_admission"]) == (1, 0)

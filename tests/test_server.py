@@ -408,6 +408,7 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     assert counters["stall_ms_mean"] == 0 and counters["stalls_per_s"] * seconds <= counters["prefills"]
     assert counters["admit_host_ms_mean"] > 0 and counters["prefill_gpu_ms_mean"] == counters["eager_prefill_share"] == 0
     assert 1 <= counters["steps_per_chunk"] <= 8
+    assert 0 <= counters["encoded_ahead_share"] <= 1
     for answer, body in zip(answers, bodies):
         image_part, text_part = body["messages"][0]["content"]
         picture = asyncio.run(fetch_image(image_part["image_url"]["url"], MediaLimits(), client=None))
