@@ -498,3 +498,23 @@ def test_while_rows_decode_an_image_request_enters_once_encoded_beside_a_chunk(m
     at = events.index(("encode", 1))
     assert events[at - 1][0] == "decode" and events[at + 1 : at + 3] == [("enter", 1), ("prefill", 1)]
     assert (manager.stats["encoded_ahead"], manager.stats["encoded_at_admission"]) == (1, 0)
+
+
+def test_warmup_captures_every_mode_a_batch_without_penalties_takes(monkeypatch):
+    """`manager.warmup()` asks the model for the decode modes `batch_mode` gives rows of greedy, top-k and plain
+    sampled requests, in every mix."""
+    import itertools
+
+    from qwen3vl_static.batching_qwen3vl_graph import BATCH_MODES, batch_mode
+    from qwen3vl_static.scheduler_qwen3vl_graph import Sequence
+
+    def sequence(do_sample, top_k):
+        return Sequence(None, {}, None, 0, do_sample=do_sample, sampling={"top_k": top_k, "candidates": 64})
+
+    kinds = [sequence(False, 0), sequence(True, 20), sequence(True, 151936)]  # greedy, top-k 20, every token
+    taken = {batch_mode(mix) for count in (1, 2, 3) for mix in itertools.combinations(kinds, count)}
+    ours, _ = new_pair()
+    asked = []
+    monkeypatch.setattr(ours, "warmup", lambda **settings: asked.append(settings) or 0.0)
+    assert ours.init_continuous_batching().warmup() == 0.0
+    assert taken == set(BATCH_MODES) == set(asked[0]["modes"])
