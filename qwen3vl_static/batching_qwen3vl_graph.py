@@ -558,6 +558,15 @@ class GraphBatchingManager:
         """`sequences`' encoded media (encoded now where they were not ahead) joined per kind in row order, as a
         prefill gathers them (images, then videos), the current stream waiting for their encoding."""
         self._encode([sequence for sequence in sequences if _unencoded(sequence)], engine, ahead=False)
+        if engine.device.type == "cuda":  # before anything here reads them (the joins below too)
+            stream = torch.cuda.current_stream()
+            for done in {id(sequence.media_done): sequence.media_done for sequence in sequences
+                         if sequence.media_done is not None}.values():
+                stream.wait_event(done)
+            for sequence in sequences:  # made on the side stream, read here: not reused until this stream is done
+                for _, _, features, layers in sequence.media or ():
+                    for tensor in (features, *layers):
+                        tensor.record_stream(stream)
         joined = []
         for kind in ("image", "video"):
             parts = [(token, features, layers) for sequence in sequences for each, token, features, layers
@@ -567,15 +576,6 @@ class GraphBatchingManager:
             elif parts:
                 joined.append((kind, parts[0][0], torch.cat([features for _, features, _ in parts]),
                                [torch.cat(layer) for layer in zip(*(layers for _, _, layers in parts))]))
-        if engine.device.type == "cuda":
-            stream = torch.cuda.current_stream()
-            for done in {id(sequence.media_done): sequence.media_done for sequence in sequences
-                         if sequence.media_done is not None}.values():
-                stream.wait_event(done)
-            for sequence in sequences:  # made on the side stream, read here: not reused until this stream is done
-                for _, _, features, layers in sequence.media or ():
-                    for tensor in (features, *layers):
-                        tensor.record_stream(stream)
         return joined
 
     def _prepare(self, output, input_ids, inputs, settings, streaming, engine) -> Sequence:

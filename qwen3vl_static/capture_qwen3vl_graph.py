@@ -37,6 +37,9 @@ class GraphCapturer:
         self.pool_graphs = weakref.WeakSet()  # the graphs captured into `pool` that are still alive
         self.stream = None  # one side stream: each new stream would get its own cuBLAS workspace
         self.streams_of = streams_of  # the capturer whose side stream this one shares
+        # The stream its graphs are captured on, its own: cuBLAS bakes the workspace of the capturing stream into a
+        # graph, and two capturers' graphs may replay at once (the tower's beside the decode step's).
+        self.capture_stream = None
 
     def capture(self, step, state=(), name: str = "graph") -> torch.cuda.CUDAGraph:
         """Capture `step()` (no arguments, static buffers only) after two warm-up runs on the side stream.
@@ -58,7 +61,10 @@ class GraphCapturer:
             graph = torch.cuda.CUDAGraph()
             # Thread-local: CUDA work of the process's other threads (a caller preparing its next request while
             # continuous batching captures) neither breaks the capture nor lands in the graph.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # records; runs nothing
+            if self.capture_stream is None:
+                self.capture_stream = torch.cuda.Stream()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream,
+                                  capture_error_mode="thread_local"):  # records; runs nothing
                 step()
         self.pool_graphs.add(graph)
         seconds = time.perf_counter() - began

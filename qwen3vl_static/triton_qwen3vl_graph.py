@@ -65,7 +65,7 @@ if triton is not None:
         saturated at its largest finite value and rounded to nearest even here, as torch casts: the cast alone differs
         from torch's beyond 448, and rounds otherwise in Triton's interpreter."""
         if cache.dtype.element_ty == tl.float8e4nv:
-            y = tl.clamp(y.to(tl.float32), -448.0, 448.0)
+            y = tl.clamp(y.to(tl.float32), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)  # as torch's
             # The value of the last of e4m3's 3 mantissa bits at y's exponent (subnormal below 2^-6: steps of 2^-9),
             # and its inverse: powers of two, so scaling by them is exact.
             exponent = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
