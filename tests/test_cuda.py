@@ -227,6 +227,30 @@ def test_multi_tile_attention_splits_agree_with_stock(models, monkeypatch):
     assert agreement["delta"] < MAX_LOG_PROB_DELTA, agreement["report"]
 
 
+def batch_requests(config, count, generator) -> list:
+    """Continuous batching's requests: every third a 448x448-image prompt, the others text of growing lengths, answers
+    of uneven lengths."""
+    return [{**(image_prompt(config, "cuda", generator) if index % 3 == 0
+                else text_prompt(config, 1, 40 + 23 * index, "cuda", generator)),
+             "max_new_tokens": 6 + 13 * index} for index in range(count)]
+
+
+def batch_tokens(model, requests, **settings) -> dict:
+    """{graphs on: each request's tokens} from `generate_batch` with graphs and without, on 8 rows of 1024 slots (not
+    sized for these requests from memory: the tests share the cache); every request must succeed."""
+    tokens = {}
+    for graphs in (True, False):
+        model.set_cuda_graphs(graphs)
+        try:
+            results = model.generate_batch(requests, progress_bar=False, max_batch_size=8, static_cache_len=1024,
+                                           **settings)
+        finally:
+            model.set_cuda_graphs(True)
+        assert [result.error for result in results.values()] == [None] * len(requests)
+        tokens[graphs] = [result.generated_tokens for result in results.values()]
+    return tokens
+
+
 @pytest.mark.parametrize("max_prefill_tokens", [8192, 200])
 def test_continuous_batching_graph_equals_eager_and_agrees_with_stock(models, max_prefill_tokens):
     """Continuous batching in bf16: 12 requests (text and 448x448-image prompts, uneven answer lengths) over the 8
@@ -235,21 +259,8 @@ def test_continuous_batching_graph_equals_eager_and_agrees_with_stock(models, ma
     schedule), are the stock full-sequence forward's top-1 wherever its margin exceeds twice the log-prob deviation
     the test above allows."""
     ours, stock = models
-    generator = torch.Generator().manual_seed(9)
-    requests = [{**(image_prompt(ours.config, "cuda", generator) if index % 3 == 0
-                    else text_prompt(ours.config, 1, 40 + 23 * index, "cuda", generator)),
-                 "max_new_tokens": 6 + 13 * index} for index in range(12)]
-    tokens = {}
-    for graphs in (True, False):
-        ours.set_cuda_graphs(graphs)
-        try:
-            # The fixture's cache (not sized for these requests from memory: the other tests share it).
-            results = ours.generate_batch(requests, progress_bar=False, max_batch_size=8, static_cache_len=1024,
-                                          max_prefill_tokens=max_prefill_tokens)
-        finally:
-            ours.set_cuda_graphs(True)
-        assert [result.error for result in results.values()] == [None] * len(requests)
-        tokens[graphs] = [result.generated_tokens for result in results.values()]
+    requests = batch_requests(ours.config, 12, torch.Generator().manual_seed(9))
+    tokens = batch_tokens(ours, requests, max_prefill_tokens=max_prefill_tokens)
     assert tokens[True] == tokens[False]
     manager = ours.init_continuous_batching(max_batch_size=8, static_cache_len=1024,
                                             max_prefill_tokens=max_prefill_tokens)
@@ -328,18 +339,7 @@ def test_float8_kv_cache_graph_equals_eager_and_agrees_with_stock_on_rounded_kv(
         assert decisive > 0 and agreeing >= 0.95 * decisive
         keys, reference_keys = ours._engine.cache.full_keys[0], reference._engine.cache.full_keys[0]
         assert keys.dtype == torch.float8_e4m3fn and 2 * keys.nbytes == reference_keys.nbytes
-        requests = [{**(image_prompt(ours.config, "cuda", generator) if index % 3 == 0
-                        else text_prompt(ours.config, 1, 40 + 23 * index, "cuda", generator)),
-                     "max_new_tokens": 6 + 13 * index} for index in range(8)]
-        tokens = {}
-        for graphs in (True, False):
-            ours.set_cuda_graphs(graphs)
-            try:
-                results = ours.generate_batch(requests, progress_bar=False, max_batch_size=8, static_cache_len=1024)
-            finally:
-                ours.set_cuda_graphs(True)
-            assert [result.error for result in results.values()] == [None] * len(requests)
-            tokens[graphs] = [result.generated_tokens for result in results.values()]
+        tokens = batch_tokens(ours, batch_requests(ours.config, 8, generator))
         assert tokens[True] == tokens[False]
     finally:
         del ours
