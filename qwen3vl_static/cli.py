@@ -30,7 +30,7 @@ TINY_MAX_NEW_TOKENS = 32  # the `tiny` checkpoint's generation config
 DEVICE_HELP = "torch device to run on (default: cuda when there is one, else cpu)"
 SLOTS_HELP = ("requests decoded at once: the static cache's rows (max_batch_size; default: as many as fit in the GPU's "
               "memory, the config's on the CPU)")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # the config's (importing it here would import torch for --help)
 KV_CACHE_DTYPE_HELP = ("what the KV cache stores: auto (the model's dtype, default) or fp8 (float8 e4m3, opt-in: half "
                        "the memory and attention reads; answers differ from stock's)")
 

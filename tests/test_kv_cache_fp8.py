@@ -133,5 +133,9 @@ def test_half_the_bytes_a_slot():
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_by_name():
+    from qwen3vl_static.cli import KV_CACHE_DTYPES as FLAG_CHOICES  # restated there: help must not import torch
+    from qwen3vl_static.configuration_qwen3vl_graph import KV_CACHE_DTYPES
+
+    assert FLAG_CHOICES == tuple(KV_CACHE_DTYPES)
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3'\], got 'int8'"):
         new_pair(kv_cache_dtype="int8")
