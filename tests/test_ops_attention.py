@@ -62,7 +62,8 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
     with poisoned_empty():  # the partial results and the output
         out = Triton.decode_attention(x, qkv_weight, heads, qk_norms, Triton.rotary(cos, sin), k, v, cache_lens, context, kv_len,
                                       dim**-0.5)
-    assert_close_at_scale(out, out_ref)
+    # A float8 cache: the new K/V computed in the model's dtype here and in float32 there may round a unit apart.
+    assert_close_at_scale(out, out_ref, through_float8=kv_dtype == torch.float8_e4m3fn)
     new = torch.zeros(rows + 1, capacity, dtype=torch.bool, device=DEVICE)
     new[cache_rows, cache_lens] = True
     for got, expected, before in zip((k, v), (k_ref, v_ref), poisoned):
