@@ -709,7 +709,7 @@ class GraphBatchingManager:
                     part, new = [], sequence.max_new_tokens
                 part.append(sequence)
                 most_new = new
-            parts.append(part)
+            parts += _graph_shaped(part, engine.prefill)
         went_on, tokens = [], []
         for part in parts:
             try:
@@ -893,6 +893,17 @@ def _unencoded(sequence: Sequence) -> bool:
 def _encoded(sequence: Sequence) -> bool:
     """Whether a request may enter without running the tower: it has no images or videos, or they are encoded."""
     return not _unencoded(sequence)
+
+
+def _graph_shaped(part: list, prefill) -> list:
+    """`part` (sequences shortest first) as the prefills that replay captured graphs (`PrefillRunner.graph_pieces`):
+    an eager prefill of a few prompts spends tens of milliseconds launching kernels while decoding rows wait, a graph
+    well under ten. As it is when no such pieces exist."""
+    pieces = prefill.graph_pieces([sequence.prompt_len for sequence in part]) if len(part) > 1 else None
+    if pieces is None:
+        return [part]
+    ends = list(itertools.accumulate(pieces))
+    return [part[end - rows : end] for rows, end in zip(pieces, ends)]
 
 
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:

@@ -177,6 +177,24 @@ class PrefillRunner(GraphRunner):
         kv_slots = bucket_of(self.cache_buckets, start + size)
         return None if kv_slots is None else (rows, size, kv_slots)
 
+    def graph_pieces(self, lengths: list) -> list | None:
+        """How prompts of `lengths` (shortest first), fresh prompts bound for rows that other requests' rows surround
+        (continuous batching), split into prefills that each replay a graph: the pieces' sizes, in order, each a batch
+        bucket whose rows of its longest prompt fit the graph's tokens, the largest first. None when graphs are off or
+        a prompt is longer than any graph's. A whole batch of a size between buckets would run eagerly (a bucket's
+        padding rows would write into other requests' rows), launched kernel by kernel from Python."""
+        if not self.use_graphs:
+            return None
+        pieces, start = [], 0
+        while start < len(lengths):
+            rows = next((rows for rows in reversed(self.batch_buckets) if start + rows <= len(lengths)
+                         and self.bucket(rows, lengths[start + rows - 1]) is not None), None)
+            if rows is None:
+                return None
+            pieces.append(rows)
+            start += rows
+        return pieces
+
     def step(self, rows: int, size: int, kv_slots: int, masked: bool) -> None:
         tokens = rows * size
         self.logits[:rows] = self.forward(
