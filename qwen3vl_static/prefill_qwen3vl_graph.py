@@ -180,10 +180,12 @@ class PrefillRunner(GraphRunner):
     def graph_pieces(self, lengths: list) -> list | None:
         """How prompts of `lengths` (shortest first), fresh prompts bound for rows that other requests' rows surround
         (continuous batching), split into prefills that each replay a graph: the pieces' sizes, in order, each a batch
-        bucket whose rows of its longest prompt fit the graph's tokens, the largest first. None when graphs are off or
-        a prompt is longer than any graph's. A whole batch of a size between buckets would run eagerly (a bucket's
-        padding rows would write into other requests' rows), launched kernel by kernel from Python."""
-        if not self.use_graphs:
+        bucket whose rows of its longest prompt fit the graph's tokens, the largest first. None when prompts are not
+        padded to buckets (CPU) or one is longer than any graph's. A whole batch of a size between buckets would run
+        eagerly (a bucket's padding rows would write into other requests' rows), launched kernel by kernel from
+        Python. With graphs off the pieces are the same, run at the graphs' shapes: the eager static path's tokens
+        are the graphs'."""
+        if not self.bucketed:
             return None
         pieces, start = [], 0
         while start < len(lengths):

@@ -4,8 +4,6 @@ under a prefill token budget while running rows keep decoding, and rows finishin
 per request (a seeded sampled request draws the same tokens alone or among others); streaming, cancelling, stop
 strings; a bad request fails alone; cache rows sized from (fake) GPU memory; the model stays usable afterwards."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from conftest import bucketed_pair, build, chat, image, new_pair
@@ -13,7 +11,6 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 import qwen3vl_static.modeling_qwen3vl_graph as modeling
-from qwen3vl_static.prefill_qwen3vl_graph import PrefillRunner
 from qwen3vl_static.batching_qwen3vl_graph import StreamingSteps, kv_bytes_per_slot, slots_from_memory
 from qwen3vl_static.presets import tiny_tokenizer
 
@@ -90,20 +87,19 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
     assert stats["admit_host_ms"] > 0 and stats["eager_prefills"] == 0
 
 
-def test_an_admission_runs_as_pieces_that_replay_prefill_graphs(monkeypatch):
+def test_an_admission_runs_as_pieces_that_replay_prefill_graphs():
     """Seven text prompts of two lengths entering together, where prefill graphs exist for 1, 2, 4 and 8 rows, prompts
-    up to 128 tokens and 512 tokens in all: a batch of 7 would run eagerly (a graph of 8 rows would write its padding row into a row another
-    request holds), so they enter as pieces of 4, 2 and 1 (shortest prompts first), each at its bucket's shapes as
-    its graph would run; each request generates as alone. Prompts no graph takes enter as one eager batch."""
+    up to 128 tokens and 512 tokens in all: a batch of 7 would run eagerly (a graph of 8 rows would write its padding
+    row into a row another request holds), so they enter as pieces of 4, 2 and 1 (shortest prompts first), each at
+    its bucket's shapes as its graph runs on CUDA (here without graphs); each request generates as alone. Prompts no
+    graph takes enter as one eager batch; unbucketed prompts (the CPU's default) enter whole."""
     ours, stock = bucketed_pair(max_batch_size=8)
     requests, expected = requests_and_expected(stock, 7, cases=[CASES[1], CASES[3]])
     prefill = ours.graph_engine().prefill
-    assert prefill.graph_pieces([20] * 7) is None  # no graphs off CUDA
-    as_on_cuda = SimpleNamespace(use_graphs=True, batch_buckets=prefill.batch_buckets, bucket=prefill.bucket)
-    assert PrefillRunner.graph_pieces(as_on_cuda, [20] * 7) == [4, 2, 1]
-    assert PrefillRunner.graph_pieces(as_on_cuda, [100] * 8) == [4, 4]  # 8 rows of 128 tokens exceed 512
-    assert PrefillRunner.graph_pieces(as_on_cuda, [20, 150]) is None  # longer than the largest graph's prompt
-    monkeypatch.setattr(prefill, "graph_pieces", lambda lengths: PrefillRunner.graph_pieces(as_on_cuda, lengths))
+    assert prefill.graph_pieces([20] * 7) == [4, 2, 1]
+    assert prefill.graph_pieces([100] * 8) == [4, 4]  # 8 rows of 128 tokens exceed 512
+    assert prefill.graph_pieces([20, 150]) is None  # longer than the largest graph's prompt
+    assert new_pair()[0].graph_engine().prefill.graph_pieces([20] * 3) is None
     events = record_work(ours)
     results = ours.generate_batch(requests, progress_bar=False)
     assert [rows for kind, rows in events if kind == "prefill"] == [4, 2, 1]
