@@ -87,6 +87,14 @@ def kv_bytes_per_slot(config, dtype: torch.dtype) -> int:
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def media_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of the vision features one image or video placeholder token takes once encoded: its merged feature and
+    one per DeepStack layer, in the model's `dtype`."""
+    vision = config.vision_config
+    features = 1 + len(vision.deepstack_visual_indexes)
+    return features * vision.out_hidden_size * torch.empty((), dtype=dtype).element_size()
+
+
 def steps_past_end(steps_per_sync: int) -> int:
     """Steps a row may run past its request's end: the rest of its chunk and the chunk queued after it."""
     return 2 * steps_per_sync
@@ -112,19 +120,20 @@ def device_memory(device) -> tuple | None:
 
 
 def slots_from_memory(free: int, total: int, held: int, slot_bytes: int, cache_len: int, gpu_memory_utilization: float,
-                      max_prefill_tokens: int, requests: int | None = None) -> tuple:
+                      max_prefill_tokens: int, requests: int | None = None, media_bytes: int = 0) -> tuple:
     """(rows, why): how many cache rows of `cache_len` slots fit in `gpu_memory_utilization` of the device's `total`
     memory, given what is `free` and the bytes of the cache it replaces (`held`), leaving room for a prefill of
-    `max_prefill_tokens` (64 KiB a token: its activations) and 1 GiB of graphs and workspace; at most MAX_SLOTS rows
-    and `requests` (when known)."""
+    `max_prefill_tokens` (64 KiB a token: its activations), the features of the images encoded ahead (two budgets of
+    tokens, `media_bytes` a token) and 1 GiB of graphs and workspace; at most MAX_SLOTS rows and `requests` (when
+    known)."""
     in_use = total - free - held
-    reserve = max_prefill_tokens * 64 * 1024 + 2**30
+    reserve = max_prefill_tokens * (64 * 1024 + 2 * media_bytes) + 2**30
     budget = int(total * gpu_memory_utilization) - in_use - reserve
     fit = max(0, budget // (slot_bytes * cache_len))
     rows = min(fit, MAX_SLOTS, requests or MAX_SLOTS)
     why = (f"{fit} rows of {cache_len} slots ({slot_bytes * cache_len / 2**20:.0f} MiB each) fit in "
            f"{budget / 2**30:.1f} GiB: gpu_memory_utilization={gpu_memory_utilization} of {total / 2**30:.1f} GiB, less "
-           f"{in_use / 2**30:.1f} GiB in use and {reserve / 2**30:.1f} GiB kept for prefill and graphs")
+           f"{in_use / 2**30:.1f} GiB in use and {reserve / 2**30:.1f} GiB kept for prefill, image features and graphs")
     if rows < fit:
         why += f"; {rows} used ({'the requests' if rows == requests else f'at most {MAX_SLOTS}'})"
     return rows, why

@@ -44,6 +44,7 @@ from .batching_qwen3vl_graph import (
     cache_len_for,
     device_memory,
     kv_bytes_per_slot,
+    media_bytes_per_token,
     slots_from_memory,
 )
 from .cache_qwen3vl_graph import ASStaticCache
@@ -383,7 +384,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
                     held = 0 if engine is None else engine.cache.rows * engine.cache.capacity
                     slot_bytes = kv_bytes_per_slot(config, config.kv_dtype(self.dtype))
                     rows, why = slots_from_memory(*memory, held * slot_bytes, slot_bytes, cache_len,
-                                                  gpu_memory_utilization, max_prefill_tokens, requests)
+                                                  gpu_memory_utilization, max_prefill_tokens, requests,
+                                                  media_bytes_per_token(config, self.dtype))
                     if rows < 1:
                         raise ValueError(f"No cache row of {cache_len} slots fits: {why}. Lower static_cache_len or "
                                          "raise gpu_memory_utilization.")

@@ -11,8 +11,13 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 import qwen3vl_static.modeling_qwen3vl_graph as modeling
-from qwen3vl_static.batching_qwen3vl_graph import StreamingSteps, kv_bytes_per_slot, slots_from_memory
-from qwen3vl_static.presets import tiny_tokenizer
+from qwen3vl_static.batching_qwen3vl_graph import (
+    StreamingSteps,
+    kv_bytes_per_slot,
+    media_bytes_per_token,
+    slots_from_memory,
+)
+from qwen3vl_static.presets import real_config, tiny_tokenizer
 
 CASES = [([[chat("image", "What is it?")]], {"images": [image(64, 64)]}), ([[chat("Hi")]], {}),
          ([[chat("image", "Describe it.")]], {"images": [image(96, 64)]}), ([[chat("Tell me more about it")]], {})]
@@ -348,11 +353,15 @@ def test_cache_rows_sized_from_memory(monkeypatch, caplog):
     slot = kv_bytes_per_slot(ours.config, torch.float32)
     gib = 2**30
     rows, why = slots_from_memory(free=30 * gib, total=40 * gib, held=0, slot_bytes=slot, cache_len=1000,
-                                  gpu_memory_utilization=0.5, max_prefill_tokens=1024)
-    reserve = 1024 * 64 * 1024 + gib
+                                  gpu_memory_utilization=0.5, max_prefill_tokens=1024, media_bytes=16384)
+    reserve = 1024 * (64 * 1024 + 2 * 16384) + gib  # a prefill's activations, two budgets of image features, graphs
     assert rows == min(512, (20 * gib - 10 * gib - reserve) // (slot * 1000)) and "gpu_memory_utilization=0.5" in why
     assert slots_from_memory(30 * gib, 40 * gib, 0, slot, 1000, 0.5, 1024, requests=3)[0] == 3
-    budget = 6 * slot * 96 + 8192 * 64 * 1024 + gib  # six rows of 96 slots, and the default prefill's reserve
+    # The 2B's features: a merged one and three DeepStack ones of 2,048 bf16 values (16 KiB); the tiny model's 3 x 64.
+    assert media_bytes_per_token(real_config("2b"), torch.bfloat16) == 16384
+    media = media_bytes_per_token(ours.config, torch.float32)
+    assert media == 3 * 64 * 4
+    budget = 6 * slot * 96 + 8192 * (64 * 1024 + 2 * media) + gib  # six rows of 96 slots, the default budget's reserve
     monkeypatch.setattr(modeling, "device_memory", lambda device: (budget, budget))
     with caplog.at_level("WARNING"):
         manager = ours.init_continuous_batching(static_cache_len=96, gpu_memory_utilization=1.0)
