@@ -320,10 +320,13 @@ def server_rows(args) -> dict:
                 for answer, tokens in zip(first_level_answers, expected)]
     rendered = [float(ms) for ms in re.findall(r"read and rendered in ([0-9.]+) ms", log.read_text())]
     taken = [float(ms) for ms in re.findall(r"taken by the engine in ([0-9.]+) ms", log.read_text())]
+    first = [float(ms) for ms in re.findall(r"first token back from the engine ([0-9.]+) ms after", log.read_text())]
     return {"rows": rows, "server_start_s": start_s, "server_log_tail": log.read_text()[-4000:],
             "server_read_and_render_ms_p50": statistics.median(rendered),
             "server_read_and_render_ms_p99": percentile(rendered, 0.99),
             "engine_intake_ms_p50": statistics.median(taken), "engine_intake_ms_p99": percentile(taken, 0.99),
+            "engine_first_token_ms_p50": statistics.median(first),
+            "engine_first_token_ms_p99": percentile(first, 0.99),
             f"concurrency_{levels[0]}_answers_equal_generate": f"{agreeing.count(NEW_TOKENS)}/{len(agreeing)}",
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "kv_cache_dtype": args.kv_cache_dtype,

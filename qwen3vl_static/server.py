@@ -258,6 +258,7 @@ class Job:
         self.outputs = asyncio.Queue()  # (choice index, GenerationOutput), filled by the manager's result handlers
         self._cancel_request = cancel_request
         self._watcher = None
+        self.handed_over = None  # when it went to the engine, until its first token came back (then logged, None)
 
     async def updates(self):
         """(choice index, new text, finish reason or None) as the choices' tokens come, until every choice is done.
@@ -490,7 +491,7 @@ class OpenAIServer:
             if patches is None:  # the engine's start-up check found them whole: a processor that changed since
                 raise RuntimeError("the processor's unnormalized image patches are not whole numbers")
             inputs = {**inputs, "pixel_values": patches}
-        rendered = time.perf_counter()
+        job.handed_over = rendered = time.perf_counter()
         refusal = await self.engine.submit(job_id, [answer.request_id for answer in answers], inputs, settings,
                                            [partial(self._deliver, job, index) for index in range(body.n)])
         if refusal is not None:
@@ -502,6 +503,10 @@ class OpenAIServer:
 
     def _deliver(self, job: Job, index: int, output) -> None:
         """The manager's result handler for one choice (on the event loop)."""
+        if job.handed_over is not None and output.generated_tokens:  # the engine's share of the time to first token
+            logger.info("%s: first token back from the engine %.1f ms after the request went to it", job.id,
+                        1000 * (time.perf_counter() - job.handed_over))
+            job.handed_over = None
         if output.status in (RequestStatus.FINISHED, RequestStatus.FAILED):
             job.answers[index].running = False
         job.outputs.put_nowait((index, output))

@@ -400,7 +400,7 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     model, processor = reference
     urls = [data_url(png(image(64, 32 + 16 * index))) for index in range(4)]
     bodies = [chat_body(index, url, model=NAME, new_tokens=12) for index, url in enumerate(urls)]
-    before = metrics(server.url)
+    before, seen = metrics(server.url), len(server.log_text())
     answers, seconds = asyncio.run(closed_loop(server.url, bodies, 2, headers=HEADERS))
     counters = batch_counters(before, metrics(server.url), seconds)  # GET /metrics: what the batch did meanwhile
     assert counters["prefills"] >= 2 and counters["requests_per_prefill"] * counters["prefills"] == 4
@@ -409,6 +409,8 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     assert counters["admit_host_ms_mean"] > 0 and counters["prefill_gpu_ms_mean"] == counters["eager_prefill_share"] == 0
     assert 1 <= counters["steps_per_chunk"] <= 8
     assert 0 <= counters["encoded_ahead_share"] <= 1
+    # Each request's log says how long the engine took to send its first token back (the benchmark's TTFT split).
+    assert len(re.findall(r"first token back from the engine [0-9.]+ ms after", server.log_text()[seen:])) == 4
     for answer, body in zip(answers, bodies):
         image_part, text_part = body["messages"][0]["content"]
         picture = asyncio.run(fetch_image(image_part["image_url"]["url"], MediaLimits(), client=None))
