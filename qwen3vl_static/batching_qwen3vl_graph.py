@@ -218,11 +218,12 @@ class GraphBatchingManager:
         self.error = None  # what ended the batch itself, if anything did
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU and
         # issuing admissions, decode steps, row-steps queued (rows covered x steps) and of them held by a request,
-        # prefill launches (and of them run eagerly for want of a graph) and the requests they admitted, requests with
-        # images encoded ahead (beside a chunk) and at their admission.
+        # prefill launches (and of them run eagerly for want of a graph) and the requests they admitted, the ms the
+        # admitted requests waited from `add_request` to their prefill's launch (any device), requests with images
+        # encoded ahead (beside a chunk) and at their admission.
         self.stats = dict.fromkeys(("prefill_ms", "stall_ms", "decode_ms", "host_wait_ms", "admit_host_ms", "chunks",
                                     "steps", "row_steps", "request_steps", "prefills", "eager_prefills", "stalls",
-                                    "admitted", "encoded_ahead", "encoded_at_admission"), 0)
+                                    "admitted", "admission_wait_ms", "encoded_ahead", "encoded_at_admission"), 0)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -727,6 +728,7 @@ class GraphBatchingManager:
                     continue
                 tokens.append(first)
                 went_on += part
+                self._count_wait(part)
             except Exception as error:  # noqa: BLE001 - the requests' results name it; the others go on
                 if len(part) == 1:
                     engine.decode.release(part[0].row)
@@ -736,6 +738,7 @@ class GraphBatchingManager:
                     try:
                         tokens.append(self._prefill([sequence], engine))
                         went_on.append(sequence)
+                        self._count_wait([sequence])
                     except Exception as alone:  # noqa: BLE001
                         engine.decode.release(sequence.row)
                         self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(alone).__name__}: {alone}")
@@ -744,6 +747,11 @@ class GraphBatchingManager:
         if not went_on:
             return [], None
         return went_on, copy_to_host(torch.cat(tokens))
+
+    def _count_wait(self, part: list) -> None:
+        """The admission wait of requests whose prefill was just launched: from `add_request` to now."""
+        now = time.perf_counter()
+        self.stats["admission_wait_ms"] += sum(1000 * (now - sequence.output.created_time) for sequence in part)
 
     def _prefill(self, part: list, engine) -> torch.Tensor | None:
         """One prefill of `part` (prompts of one kind, padded on the left) into their rows; their first tokens. A prompt

@@ -179,8 +179,9 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     and for how long admissions held up decoding rows (a stream's longest gaps: a stall and the chunk before it), the
     steps per chunk (the tokens a stream gets at once). Per prefill launch: its GPU time (a vision tower still running
     beside it included), the batch thread's host time issuing it (where that comes near the GPU time, the host bounds
-    admissions) and whether it ran eagerly for want of a graph. Of the requests with images, the share the tower
-    encoded beside a decode chunk rather than as they entered."""
+    admissions) and whether it ran eagerly for want of a graph. Per admitted request, how long it waited in the batch
+    for its prefill's launch. Of the requests with images, the share the tower encoded beside a decode chunk rather
+    than as they entered."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
@@ -192,6 +193,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "prefill_gpu_ms_mean": 1000 * grown("gpu_prefill_seconds_total") / max(prefills, 1),
             "admit_host_ms_mean": 1000 * grown("admit_host_seconds_total") / max(prefills, 1),
             "eager_prefill_share": grown("eager_prefills_total") / max(prefills, 1),
+            "admission_wait_ms_mean": 1000 * grown("admission_wait_seconds_total")
+            / max(grown("admitted_requests_total"), 1),
             "stalls_per_s": stalls / seconds, "stall_ms_mean": 1000 * grown("gpu_stall_seconds_total") / max(stalls, 1),
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),

@@ -68,6 +68,8 @@ METRICS = {
                        "prefill launches run eagerly although graphs are on (no graph bucket fits their rows)"),
     "stalls": ("qwen3vl_static_stalls_total", 1, "admission turns that held up rows decoding"),
     "admitted": ("qwen3vl_static_admitted_requests_total", 1, "requests that entered the batch"),
+    "admission_wait_ms": ("qwen3vl_static_admission_wait_seconds_total", 1e-3,
+                          "time the admitted requests waited from reaching the batch to their prefill's launch"),
     "encoded_ahead": ("qwen3vl_static_requests_encoded_ahead_total", 1,
                       "requests whose images the vision tower encoded beside a decode chunk, before they entered"),
     "encoded_at_admission": ("qwen3vl_static_requests_encoded_at_admission_total", 1,

@@ -76,7 +76,7 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
     length = requests[0]["input_ids"].shape[1]
     events = record_work(ours)
     manager = ours.init_continuous_batching(max_prefill_tokens=2 * length)
-    results = manager.generate_all(requests, progress_bar=False)
+    results = manager.generate_all(requests, progress_bar=False, record_timestamps=True)
     assert [result.generated_tokens for result in results.values()] == expected
     prefills = [rows for kind, rows in events if kind == "prefill"]
     assert prefills == [2] * 6
@@ -90,6 +90,10 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
         [event for event in events if event[0] == "decode"]) and stats["steps"] == 2 * stats["chunks"]
     # The batch's thread spent host time issuing each admission; none ran eagerly for want of a graph (CPU: no graphs).
     assert stats["admit_host_ms"] > 0 and stats["eager_prefills"] == 0
+    # From add_request to its prefill's launch, a request waits less than until its first token was read; the last
+    # pair entered after the first pair's first tokens were read (turn 6 against turn 2), so waited longer than those.
+    first = sorted(1000 * (result.timestamps[0] - result.created_time) for result in results.values())
+    assert stats["admitted"] == 12 and 2 * first[0] - 1 <= stats["admission_wait_ms"] <= sum(first)
 
 
 def test_an_admission_runs_as_pieces_that_replay_prefill_graphs():
