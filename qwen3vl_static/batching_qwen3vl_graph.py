@@ -916,7 +916,7 @@ def _graph_shaped(part: list, prefill) -> list:
     """`part` (sequences shortest first) as the prefills that replay captured graphs (`PrefillRunner.graph_pieces`):
     an eager prefill of a few prompts spends tens of milliseconds launching kernels while decoding rows wait, a graph
     well under ten. As it is when no such pieces exist."""
-    pieces = prefill.graph_pieces([sequence.prompt_len for sequence in part]) if len(part) > 1 else None
+    pieces = prefill.graph_pieces([sequence.prompt_len for sequence in part])
     if pieces is None:
         return [part]
     ends = list(itertools.accumulate(pieces))
