@@ -27,6 +27,7 @@ import signal
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -320,8 +321,12 @@ class OpenAIServer:
     engine takes image patches as uint8, this process's processor leaves them unnormalized (`PixelNormalizer`)."""
 
     def __init__(self, engine: EngineClient, processor, model_name: str, api_key: str | None = None,
-                 limits: ServerLimits = ServerLimits(), media: MediaLimits = MediaLimits()):
+                 limits: ServerLimits = ServerLimits(), media: MediaLimits = MediaLimits(), render_threads: int = 1):
         self.engine, self.processor, self.model_name, self.api_key = engine, processor, model_name, api_key
+        # Requests render (image decoded, processor run) in a pool of about the process's share of the cores: a burst
+        # of them then finishes first come first served, where a thread each would share the interpreter lock and
+        # finish all together, late (`bench/probes/render_burst_probe.py`).
+        self.renderers = ThreadPoolExecutor(render_threads, thread_name_prefix="qwen3vl-static-render")
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.limits, self.media = limits, media
         # A row holds the prompt, the answer and the steps a row may run past its end.
@@ -339,6 +344,7 @@ class OpenAIServer:
                 self.http = client
                 self.engine.start()
                 yield
+            self.renderers.shutdown(wait=False)
 
         app = FastAPI(title="qwen3vl_static", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(APIError, lambda _, error: JSONResponse(error.body(), status_code=error.status))
@@ -447,9 +453,10 @@ class OpenAIServer:
             raise APIError(400, f"Image {number}: {error}", param="messages") from None
 
     async def _render(self, messages) -> dict:
-        """The model inputs of a chat whose images are still encoded (`render_chat`), off the event loop."""
+        """The model inputs of a chat whose images are still encoded (`render_chat`), in a render thread."""
         try:
-            return await asyncio.to_thread(render_chat, self.processor, self.media, messages)
+            return await asyncio.get_running_loop().run_in_executor(self.renderers, render_chat, self.processor,
+                                                                    self.media, messages)
         except MediaError as error:
             raise APIError(400, str(error), param="messages") from None
         except Exception as error:  # noqa: BLE001 - what the model's chat template or processor refuses
@@ -610,6 +617,11 @@ def default_api_servers() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
+def render_threads(api_servers: int) -> int:
+    """Render threads per HTTP process: its share of the cores."""
+    return max(1, (os.cpu_count() or 1) // api_servers)
+
+
 def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_servers: int | None = None, max_batch_size: int | None = None,
           max_prefill_tokens: int | None = None, warmup: bool = False, **settings) -> None:
@@ -630,7 +642,7 @@ def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1"
     port = listener.getsockname()[1]
     fronts = [context.Process(target=_http_main, name=f"qwen3vl-static-http-{index}",
                               args=(connection, listener, build_processor, engine.info, model_name, host, port,
-                                    settings))
+                                    {"render_threads": render_threads(api_servers), **settings}))
               for index, connection in enumerate(engine.connections)]
     for front in fronts:
         front.start()
