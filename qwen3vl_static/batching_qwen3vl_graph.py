@@ -14,16 +14,17 @@
 """Continuous batching on the graph engine: many requests share the static cache's rows, each with its own settings.
 
 A background thread owns the batch. Each turn of its loop
-1. takes new requests in (`_prepare`, on the host: inputs checked, settings resolved, M-RoPE positions computed; a
-   bad request fails alone here, before anything is written) and cancellations;
-2. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget), and
+1. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget), and
    prefills them directly through the engine's prefill runner (no `generate` call: its host work would cost more
    than the prefill), several prompts per launch, padded on the left within groups of one kind, from their images'
    features (most encoded ahead, step 4); a prompt longer than the budget is prefilled a budget per turn instead, its
    row parked (`DecodeRunner.park`) until done;
-3. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
+2. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
    `StreamingSteps`), sampling in the graph with each row's own parameters and seed (seeded modes:
    `DecodeRunner.sample`);
+3. takes new requests in while the GPU runs that chunk (`_prepare`, on the host: inputs checked, settings resolved,
+   M-RoPE positions computed; a bad request fails alone here, before anything is written), as many as keep two
+   prefill budgets waiting, and cancellations (an idle batch takes them in first, waiting for them);
 4. runs the vision tower over the images of the requests next in line, on the side stream beside that chunk;
 5. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
    request by its own rules (EOS ids, max_new_tokens, stop strings, cancellation) and streams tokens.
@@ -76,6 +77,9 @@ JOINED_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video
 BATCH_MODES = ("greedy", "sample_seeded", "sample_top_k_seeded")  # `batch_mode`'s without penalties
 PIXELS = ("pixel_values", "pixel_values_videos")  # the tower's inputs: they leave a request once it is encoded
 DEFAULT_MAX_PREFILL_TOKENS = 8192
+# Prefill budgets of prompts kept checked and waiting, their images encoded ahead: a turn admits one budget, and the
+# next one's images are encoded meanwhile.
+AHEAD_BUDGETS = 2
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 MAX_SLOTS = 512  # past this many rows a step's KV reads grow with the rows and tokens/s no longer does
 
@@ -123,11 +127,11 @@ def slots_from_memory(free: int, total: int, held: int, slot_bytes: int, cache_l
                       max_prefill_tokens: int, requests: int | None = None, media_bytes: int = 0) -> tuple:
     """(rows, why): how many cache rows of `cache_len` slots fit in `gpu_memory_utilization` of the device's `total`
     memory, given what is `free` and the bytes of the cache it replaces (`held`), leaving room for a prefill of
-    `max_prefill_tokens` (64 KiB a token: its activations), the features of the images encoded ahead (two budgets of
+    `max_prefill_tokens` (64 KiB a token: its activations), the features of the images encoded ahead (`AHEAD_BUDGETS` of
     tokens, `media_bytes` a token) and 1 GiB of graphs and workspace; at most MAX_SLOTS rows and `requests` (when
     known)."""
     in_use = total - free - held
-    reserve = max_prefill_tokens * (64 * 1024 + 2 * media_bytes) + 2**30
+    reserve = max_prefill_tokens * (64 * 1024 + AHEAD_BUDGETS * media_bytes) + 2**30
     budget = int(total * gpu_memory_utilization) - in_use - reserve
     fit = max(0, budget // (slot_bytes * cache_len))
     rows = min(fit, MAX_SLOTS, requests or MAX_SLOTS)
@@ -206,6 +210,7 @@ class GraphBatchingManager:
         self.input_queue = queue.Queue(max_queue_size)
         self.output_queue = queue.Queue()
         self._cancelled = queue.SimpleQueue()
+        self._cancelled_queued = set()  # ids of requests cancelled while still in `input_queue` (the batch's thread's)
         self._streams = {}  # request id -> its queue of outputs (streaming requests)
         self._handlers = {}  # request id -> (callback, event loop or None)
         self._lock = threading.Lock()
@@ -433,7 +438,8 @@ class GraphBatchingManager:
         runner.open_slots(self.generation_config.pad_token_id)
         in_flight, streaming_steps = deque(), StreamingSteps(runner.steps_per_sync)
         while True:
-            self._take_in(scheduler, engine, wait=not (scheduler.has_work() or in_flight))
+            if not (scheduler.has_work() or in_flight):
+                self._take_in(scheduler, engine, wait=True)
             # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter, while rows
             # decode only once their images are encoded (ahead, beside a chunk): the rows wait for no tower.
             prefilling = [sequence for sequence in scheduler.running.values() if sequence.prefilling]
@@ -480,6 +486,7 @@ class GraphBatchingManager:
                 chunk.events = (before, _event(), None)
             if chunk is not None:
                 in_flight.append(chunk)
+            self._take_in(scheduler, engine, wait=False)  # on the host while the GPU runs what was just queued
             self._media_ahead(scheduler, engine)
             # One chunk stays queued while the host reads the one before; with nothing new queued, read them all.
             while len(in_flight) > (1 if chunk is not None else 0):
@@ -488,20 +495,28 @@ class GraphBatchingManager:
                 return
 
     def _take_in(self, scheduler, engine, wait: bool) -> None:
-        """New requests into the scheduler (each checked: a bad one fails here, alone) and cancellations applied."""
-        while True:
+        """New requests into the scheduler, each checked (a bad one fails here, alone), while the waiting ones' prompts
+        hold fewer than `AHEAD_BUDGETS` prefill budgets (what the next admissions and the media ahead look at): a long
+        queue is checked a little each turn, while the GPU runs a chunk, not all of it before the first admission.
+        Then cancellations (`wait`: for the first request, a moment)."""
+        waiting = sum(sequence.prompt_len for sequence in scheduler.waiting)
+        while waiting < AHEAD_BUDGETS * self.max_prefill_tokens:
             try:
                 item = self.input_queue.get(timeout=0.05) if wait else self.input_queue.get_nowait()
             except queue.Empty:
                 break
             wait = False
+            if item[0].request_id in self._cancelled_queued:
+                self._cancelled_queued.discard(item[0].request_id)
+                self._fail_unprepared(item, "cancelled")
+                continue
             try:
-                scheduler.add(self._prepare(*item, engine=engine))
+                sequence = self._prepare(*item, engine=engine)
             except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
-                output, streaming = item[0], item[4]
-                sequence = Sequence(output, {}, None, 0, streaming=streaming)
-                output.status, output.error = RequestStatus.FAILED, f"{type(error).__name__}: {error}"
-                self._deliver(sequence, final=True)
+                self._fail_unprepared(item, f"{type(error).__name__}: {error}")
+                continue
+            scheduler.add(sequence)
+            waiting += sequence.prompt_len
         while True:
             try:
                 request_id = self._cancelled.get_nowait()
@@ -509,6 +524,8 @@ class GraphBatchingManager:
                 break
             sequence = scheduler.find(request_id)
             if sequence is None:
+                if self._queued(request_id):
+                    self._cancelled_queued.add(request_id)
                 continue
             if sequence in scheduler.waiting or sequence.prefilling:
                 if sequence.row is not None:
@@ -517,12 +534,23 @@ class GraphBatchingManager:
             else:
                 sequence.cancelled = True  # its row frees when the chunks queued for it are read
 
+    def _queued(self, request_id: str) -> bool:
+        """Whether request `request_id` is still in `input_queue` (added, not taken in yet)."""
+        with self.input_queue.mutex:
+            return any(item[0].request_id == request_id for item in self.input_queue.queue)
+
+    def _fail_unprepared(self, item: tuple, error: str) -> None:
+        """A request ended before it was taken in (`item` as `add_request` queued it): failed with `error`."""
+        output, streaming = item[0], item[4]
+        output.status, output.error = RequestStatus.FAILED, error
+        self._deliver(Sequence(output, {}, None, 0, streaming=streaming), final=True)
+
     def _media_ahead(self, scheduler, engine) -> None:
-        """The images and videos of the requests next in line (two prefill budgets) encoded now, on the model's side
+        """The images and videos of the requests next in line (`AHEAD_BUDGETS` prefill budgets) encoded now, on the model's side
         stream while the GPU runs the decode chunk just queued: their prefill then starts from the features, so the
         decode steps it holds up wait for the language model only. A request whose media cannot be encoded fails
         alone."""
-        pending = [sequence for sequence in scheduler.upcoming(2 * self.max_prefill_tokens) if _unencoded(sequence)]
+        pending = [sequence for sequence in scheduler.upcoming(AHEAD_BUDGETS * self.max_prefill_tokens) if _unencoded(sequence)]
         try:
             self._encode(pending, engine, ahead=True)
         except Exception:  # noqa: BLE001 - one by one: only a bad request fails

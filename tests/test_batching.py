@@ -96,6 +96,29 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
     assert stats["admitted"] == 12 and 2 * first[0] - 1 <= stats["admission_wait_ms"] <= sum(first)
 
 
+def test_a_long_queue_is_taken_in_a_little_each_turn_and_a_queued_request_can_be_cancelled():
+    """Twelve text requests queued before the batch starts, a prefill budget of two prompts: the batch checks and
+    takes in two budgets of them (four) before its first prefill, not all twelve, and tops that up each turn after
+    queuing its chunk. One cancelled while still in the queue never starts; the others give `generate`'s tokens."""
+    ours, stock = new_pair(max_batch_size=16, steps_per_sync=2)
+    requests, expected = requests_and_expected(stock, 12, lengths=[6 + index % 5 for index in range(12)], cases=[TEXT])
+    manager = ours.init_continuous_batching(max_prefill_tokens=2 * requests[0]["input_ids"].shape[1])
+    work, prepare, enter = [], manager._prepare, manager._enter
+    manager._prepare = lambda *args, **kwargs: work.append("check") or prepare(*args, **kwargs)
+    manager._enter = lambda entered, *args: work.append(len(entered)) or enter(entered, *args)
+    ids = manager.add_requests(requests)
+    manager.cancel_request(ids[9])
+    manager.start()
+    manager.stop(block=False)
+    results = {result.request_id: result for result in manager}
+    assert work[:5] == ["check"] * 4 + [2]  # two budgets checked, one admitted
+    assert work.count("check") == 11 and work.count(2) == 5 and work.count(1) == 1  # request 9 was never checked
+    assert results[ids[9]].status == RequestStatus.FAILED and results[ids[9]].error == "cancelled"
+    assert not results[ids[9]].generated_tokens
+    assert [results[request_id].generated_tokens for request_id in ids if request_id != ids[9]] == (
+        expected[:9] + expected[10:])
+
+
 def test_an_admission_runs_as_pieces_that_replay_prefill_graphs():
     """Seven text prompts of two lengths entering together, where prefill graphs exist for 1, 2, 4 and 8 rows, prompts
     up to 128 tokens and 512 tokens in all: a batch of 7 would run eagerly (a graph of 8 rows would write its padding
