@@ -88,6 +88,12 @@ def server_main(argv=None) -> None:
           api_servers=args.api_server_count, max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup)
 
 
+def served_processes(log: str) -> tuple:
+    """(HTTP processes, render threads in each) as `serve` logs them at start."""
+    found = re.search(r"from (\d+) HTTP process\(es\) of (\d+) render threads each", log)
+    return (int(found[1]), int(found[2])) if found else (None, None)
+
+
 def image_url(generator: np.random.Generator) -> str:
     """A JPEG data URL of a smooth random picture (colour gradients and boxes: the size of a photo's JPEG, not
     noise's)."""
@@ -324,6 +330,7 @@ def server_rows(args) -> dict:
     rendered = [float(ms) for ms in re.findall(r"read and rendered in ([0-9.]+) ms", log.read_text())]
     taken = [float(ms) for ms in re.findall(r"taken by the engine in ([0-9.]+) ms", log.read_text())]
     first = [float(ms) for ms in re.findall(r"first token back from the engine ([0-9.]+) ms after", log.read_text())]
+    http_processes, render_threads = served_processes(log.read_text())
     return {"rows": rows, "server_start_s": start_s, "server_log_tail": log.read_text()[-4000:],
             "server_read_and_render_ms_p50": statistics.median(rendered),
             "server_read_and_render_ms_p99": percentile(rendered, 0.99),
@@ -334,6 +341,7 @@ def server_rows(args) -> dict:
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "kv_cache_dtype": args.kv_cache_dtype,
             "max_prefill_tokens": args.server_max_prefill_tokens or "serve's default",
+            "http_processes": http_processes, "render_threads_per_http_process": render_threads,
             "warmup": args.server_warmup,
             "image": f"{IMAGE_SIDE}x{IMAGE_SIDE} JPEG data URL",
             "image_processor": type(processor.image_processor).__name__,

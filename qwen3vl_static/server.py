@@ -640,16 +640,18 @@ def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1"
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     listener = socket.create_server((host, port), family=family, backlog=2048)
     port = listener.getsockname()[1]
+    renderers = render_threads(api_servers)
     fronts = [context.Process(target=_http_main, name=f"qwen3vl-static-http-{index}",
                               args=(connection, listener, build_processor, engine.info, model_name, host, port,
-                                    {"render_threads": render_threads(api_servers), **settings}))
+                                    {"render_threads": renderers, **settings}))
               for index, connection in enumerate(engine.connections)]
     for front in fronts:
         front.start()
     for connection in engine.connections:
         connection.close()
     listener.close()
-    logger.info("serving %s from %d HTTP process(es) and the engine process", model_name, api_servers)
+    logger.info("serving %s from %d HTTP process(es) of %d render threads each and the engine process", model_name,
+                api_servers, renderers)
     # uvicorn's own line (it prints none for a socket it is handed): the socket takes connections from now on
     logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port)
 
