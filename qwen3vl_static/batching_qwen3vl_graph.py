@@ -224,11 +224,12 @@ class GraphBatchingManager:
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU and
         # issuing admissions, decode steps, row-steps queued (rows covered x steps) and of them held by a request,
         # prefill launches (and of them run eagerly for want of a graph) and the requests they admitted, the ms the
-        # admitted requests waited from `add_request` to their prefill's launch (any device), requests with images
-        # encoded ahead (beside a chunk) and at their admission.
+        # admitted requests waited from `add_request` to their prefill's launch and from it to the host reading their
+        # first token (any device), requests with images encoded ahead (beside a chunk) and at their admission.
         self.stats = dict.fromkeys(("prefill_ms", "stall_ms", "decode_ms", "host_wait_ms", "admit_host_ms", "chunks",
                                     "steps", "row_steps", "request_steps", "prefills", "eager_prefills", "stalls",
-                                    "admitted", "admission_wait_ms", "encoded_ahead", "encoded_at_admission"), 0)
+                                    "admitted", "admission_wait_ms", "first_token_ms", "encoded_ahead",
+                                    "encoded_at_admission"), 0)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -780,6 +781,8 @@ class GraphBatchingManager:
         """The admission wait of requests whose prefill was just launched: from `add_request` to now."""
         now = time.perf_counter()
         self.stats["admission_wait_ms"] += sum(1000 * (now - sequence.output.created_time) for sequence in part)
+        for sequence in part:
+            sequence.launched = now
 
     def _prefill(self, part: list, engine) -> torch.Tensor | None:
         """One prefill of `part` (prompts of one kind, padded on the left) into their rows; their first tokens. A prompt
@@ -868,6 +871,8 @@ class GraphBatchingManager:
         touched, began = set(), time.perf_counter()
         if chunk.entered:
             (tokens,) = collected(chunk.first_tokens)
+            read = time.perf_counter()
+            self.stats["first_token_ms"] += sum(1000 * (read - sequence.launched) for sequence in chunk.entered)
             for sequence, token in zip(chunk.entered, tokens.tolist()):
                 if not sequence.done:
                     self._append(sequence, [token], scheduler, runner)

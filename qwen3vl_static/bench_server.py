@@ -201,6 +201,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "eager_prefill_share": grown("eager_prefills_total") / max(prefills, 1),
             "admission_wait_ms_mean": 1000 * grown("admission_wait_seconds_total")
             / max(grown("admitted_requests_total"), 1),
+            "first_token_read_ms_mean": 1000 * grown("first_token_read_seconds_total")
+            / max(grown("admitted_requests_total"), 1),
             "stalls_per_s": stalls / seconds, "stall_ms_mean": 1000 * grown("gpu_stall_seconds_total") / max(stalls, 1),
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),

@@ -71,6 +71,9 @@ METRICS = {
     "admitted": ("qwen3vl_static_admitted_requests_total", 1, "requests that entered the batch"),
     "admission_wait_ms": ("qwen3vl_static_admission_wait_seconds_total", 1e-3,
                           "time the admitted requests waited from reaching the batch to their prefill's launch"),
+    "first_token_ms": ("qwen3vl_static_first_token_read_seconds_total", 1e-3,
+                       "time the admitted requests waited from their prefill's launch to the batch reading their first "
+                       "token"),
     "encoded_ahead": ("qwen3vl_static_requests_encoded_ahead_total", 1,
                       "requests whose images the vision tower encoded beside a decode chunk, before they entered"),
     "encoded_at_admission": ("qwen3vl_static_requests_encoded_at_admission_total", 1,

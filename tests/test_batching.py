@@ -94,6 +94,9 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
     # pair entered after the first pair's first tokens were read (turn 6 against turn 2), so waited longer than those.
     first = sorted(1000 * (result.timestamps[0] - result.created_time) for result in results.values())
     assert stats["admitted"] == 12 and 2 * first[0] - 1 <= stats["admission_wait_ms"] <= sum(first)
+    # The rest of each request's time to its first token: from its prefill's launch to the host reading that token.
+    assert stats["first_token_ms"] > 0
+    assert stats["admission_wait_ms"] + stats["first_token_ms"] == pytest.approx(sum(first), abs=12 * 0.5)
 
 
 def test_a_long_queue_is_taken_in_a_little_each_turn_and_a_queued_request_can_be_cancelled():

@@ -428,7 +428,7 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     assert 1 <= row["tokens_per_chunk"] < 12 and row["ttft_ms_p50"] > 0 and row["itl_ms_p99"] >= row["itl_ms_p50"]
     # A request's wait in the batch for its prefill is part of its time to first token.
     ttft = [1000 * (answer["arrivals"][0] - answer["sent"]) for answer in answers]
-    assert 0 < counters["admission_wait_ms_mean"] < max(ttft)
+    assert 0 < counters["admission_wait_ms_mean"] < max(ttft) and 0 < counters["first_token_read_ms_mean"] < max(ttft)
 
 
 def test_sigterm_lets_the_request_in_flight_finish_then_exits(server, reference):
