@@ -127,9 +127,9 @@ def slots_from_memory(free: int, total: int, held: int, slot_bytes: int, cache_l
                       max_prefill_tokens: int, requests: int | None = None, media_bytes: int = 0) -> tuple:
     """(rows, why): how many cache rows of `cache_len` slots fit in `gpu_memory_utilization` of the device's `total`
     memory, given what is `free` and the bytes of the cache it replaces (`held`), leaving room for a prefill of
-    `max_prefill_tokens` (64 KiB a token: its activations), the features of the images encoded ahead (`AHEAD_BUDGETS` of
-    tokens, `media_bytes` a token) and 1 GiB of graphs and workspace; at most MAX_SLOTS rows and `requests` (when
-    known)."""
+    `max_prefill_tokens` (64 KiB a token: its activations), the features of the images encoded ahead
+    (`AHEAD_BUDGETS` of tokens, `media_bytes` a token) and 1 GiB of graphs and workspace; at most MAX_SLOTS rows and
+    `requests` (when known)."""
     in_use = total - free - held
     reserve = max_prefill_tokens * (64 * 1024 + AHEAD_BUDGETS * media_bytes) + 2**30
     budget = int(total * gpu_memory_utilization) - in_use - reserve
@@ -547,11 +547,12 @@ class GraphBatchingManager:
         self._deliver(Sequence(output, {}, None, 0, streaming=streaming), final=True)
 
     def _media_ahead(self, scheduler, engine) -> None:
-        """The images and videos of the requests next in line (`AHEAD_BUDGETS` prefill budgets) encoded now, on the model's side
-        stream while the GPU runs the decode chunk just queued: their prefill then starts from the features, so the
-        decode steps it holds up wait for the language model only. A request whose media cannot be encoded fails
-        alone."""
-        pending = [sequence for sequence in scheduler.upcoming(AHEAD_BUDGETS * self.max_prefill_tokens) if _unencoded(sequence)]
+        """The images and videos of the requests next in line (`AHEAD_BUDGETS` prefill budgets) encoded now, on the
+        model's side stream while the GPU runs the decode chunk just queued: their prefill then starts from the
+        features, so the decode steps it holds up wait for the language model only. A request whose media cannot be
+        encoded fails alone."""
+        upcoming = scheduler.upcoming(AHEAD_BUDGETS * self.max_prefill_tokens)
+        pending = [sequence for sequence in upcoming if _unencoded(sequence)]
         try:
             self._encode(pending, engine, ahead=True)
         except Exception:  # noqa: BLE001 - one by one: only a bad request fails
