@@ -186,8 +186,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     steps per chunk (the tokens a stream gets at once). Per prefill launch: its GPU time (a vision tower still running
     beside it included), the batch thread's host time issuing it (where that comes near the GPU time, the host bounds
     admissions) and whether it ran eagerly for want of a graph. Per admitted request, how long it waited in the batch
-    for its prefill's launch. Of the requests with images, the share the tower encoded beside a decode chunk rather
-    than as they entered."""
+    for its prefill's launch, and from that launch to the batch reading its first token. Of the requests with images,
+    the share the tower encoded beside a decode chunk rather than as they entered."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
@@ -329,11 +329,12 @@ def server_rows(args) -> dict:
     # how far. The CUDA tests check the batch's tokens against stock's where the margin is clear.
     agreeing = [tokens_agreeing(answer["text"], tokens, processor)
                 for answer, tokens in zip(first_level_answers, expected)]
-    rendered = [float(ms) for ms in re.findall(r"read and rendered in ([0-9.]+) ms", log.read_text())]
-    taken = [float(ms) for ms in re.findall(r"taken by the engine in ([0-9.]+) ms", log.read_text())]
-    first = [float(ms) for ms in re.findall(r"first token back from the engine ([0-9.]+) ms after", log.read_text())]
-    http_processes, render_threads = served_processes(log.read_text())
-    return {"rows": rows, "server_start_s": start_s, "server_log_tail": log.read_text()[-4000:],
+    text = log.read_text()
+    rendered = [float(ms) for ms in re.findall(r"read and rendered in ([0-9.]+) ms", text)]
+    taken = [float(ms) for ms in re.findall(r"taken by the engine in ([0-9.]+) ms", text)]
+    first = [float(ms) for ms in re.findall(r"first token back from the engine ([0-9.]+) ms after", text)]
+    http_processes, render_threads = served_processes(text)
+    return {"rows": rows, "server_start_s": start_s, "server_log_tail": text[-4000:],
             "server_read_and_render_ms_p50": statistics.median(rendered),
             "server_read_and_render_ms_p99": percentile(rendered, 0.99),
             "engine_intake_ms_p50": statistics.median(taken), "engine_intake_ms_p99": percentile(taken, 0.99),

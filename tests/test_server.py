@@ -29,6 +29,7 @@ from qwen3vl_static.convert import convert
 from qwen3vl_static.dataset_runner import load_processor
 from qwen3vl_static.media import MediaError, MediaLimits, fetch_image
 from qwen3vl_static.modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
+from qwen3vl_static.server import render_threads
 
 KEY = "test-key"
 NAME = "tiny"
@@ -357,7 +358,7 @@ def test_models_and_health(server, client):
     assert "graphs of the batch captured ahead in 0.0 s" in server.log_text()  # none on the CPU
     # --api-server-count 2, each rendering in its share of the cores (what bench --server reports)
     server.wait_for_log(r"(?s)Application startup complete.*Application startup complete")
-    assert served_processes(server.log_text()) == (2, max(1, (os.cpu_count() or 1) // 2))
+    assert served_processes(server.log_text()) == (2, render_threads(2))
 
 
 def test_local_files_need_an_allowed_folder(tmp_path):
