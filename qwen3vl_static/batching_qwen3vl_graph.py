@@ -57,7 +57,7 @@ from .cache_qwen3vl_graph import kv_heads_and_dim
 from .compat_qwen3vl_graph import generate_position_ids, media_features, prompt_positions
 from .decode_qwen3vl_graph import PENALIZED, split_mode
 from .loops_qwen3vl_graph import TOP_K_CANDIDATES, first_tokens
-from .runner_qwen3vl_graph import bucket_of, collected, copy_to_host
+from .runner_qwen3vl_graph import bucket_of, collected, copy_to_host, to_device
 from .scheduler_qwen3vl_graph import NO_PENALTIES, Scheduler, Sequence
 
 logger = logging.get_logger(__name__)
@@ -789,15 +789,15 @@ class GraphBatchingManager:
         """One prefill of `part` (prompts of one kind, padded on the left) into their rows; their first tokens. A prompt
         longer than the budget, alone, is prefilled one budget of it per call: None until its last chunk."""
         model, runner, device = self.model, engine.decode, engine.device
-        rows = _to(torch.tensor([sequence.row for sequence in part]), device)
-        cache_rows = _to(torch.tensor([runner.cache_row_of[sequence.row] for sequence in part]), device)
+        rows = to_device(torch.tensor([sequence.row for sequence in part]), device)
+        cache_rows = to_device(torch.tensor([runner.cache_row_of[sequence.row] for sequence in part]), device)
         first = part[0]
         if len(part) == 1 and (first.prefilled or first.prompt_len > self.max_prefill_tokens):
             start = first.prefilled
             length = min(first.prompt_len, start + self.max_prefill_tokens)
             ids = first.prompt["input_ids"][:, :length]
-            inputs = {"input_ids": _to(ids, device), "attention_mask": _to(torch.ones_like(ids), device),
-                      "position_ids": _to(first.positions[..., :length], device)}
+            inputs = {"input_ids": to_device(ids, device), "attention_mask": to_device(torch.ones_like(ids), device),
+                      "position_ids": to_device(first.positions[..., :length], device)}
             logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, start, rows=cache_rows, padded=False,
                                               media=self._media_between(first, start, length, engine))
             first.prefilled = length
@@ -813,26 +813,26 @@ class GraphBatchingManager:
                                    for sequence in part], dim=1)
             padded = any(sequence.prompt_len != length for sequence in part)
             inputs = {key: _to_device_but_grids(key, value, device) for key, value in inputs.items()}
-            inputs["position_ids"] = _to(positions, device)
+            inputs["position_ids"] = to_device(positions, device)
             logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded,
                                               media=media)
             for sequence in part:
                 sequence.prefilled, sequence.media = sequence.prompt_len, None
-        settings = {name: _to(torch.tensor([sequence.sampling[name] for sequence in part]), device)
+        settings = {name: to_device(torch.tensor([sequence.sampling[name] for sequence in part]), device)
                     for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
         runner.set_rows_sampling(rows, settings)
         mode, penalized = split_mode(batch_mode(part))
         if penalized:
             runner.enable_penalties()
         if runner.penalties is not None:  # rows last held by a request with penalties: set afresh (maybe to none)
-            runner.set_rows_penalties(rows, _to(torch.tensor([sequence.penalties for sequence in part]), device),
-                                      [_to(sequence.prompt["input_ids"][0], device) for sequence in part])
+            runner.set_rows_penalties(rows, to_device(torch.tensor([sequence.penalties for sequence in part]), device),
+                                      [to_device(sequence.prompt["input_ids"][0], device) for sequence in part])
         if penalized:
             logits = runner.penalties.apply(logits, rows)
         tokens = first_tokens(runner, logits, mode, rows)
         if penalized:
             runner.penalties.count(rows, tokens)
-        next_positions = _to(torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1), device)
+        next_positions = to_device(torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1), device)
         runner.admit(rows, tokens, next_positions, inputs["attention_mask"])
         for sequence in part:
             sequence.length = length  # its left padding included
@@ -957,20 +957,10 @@ def _graph_shaped(part: list, prefill) -> list:
     return [part[end - rows : end] for rows, end in zip(pieces, ends)]
 
 
-def _to(tensor: torch.Tensor, device) -> torch.Tensor:
-    """`tensor` on `device` without waiting for the device's queued work (pinned first); a CUDA tensor is taken as is
-    (`_prepare` keeps a request's tensors on the host: one on the device was moved there here)."""
-    if torch.device(device).type != "cuda":
-        return tensor.to(device)
-    if tensor.is_cuda:
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def _to_device_but_grids(key: str, tensor: torch.Tensor, device) -> torch.Tensor:
     """A prefill input on `device`, except the images' and videos' grids: the tower reads them on the host, where a read
     does not wait for the decode chunk queued before."""
-    return tensor if key.endswith("_grid_thw") else _to(tensor, device)
+    return tensor if key.endswith("_grid_thw") else to_device(tensor, device)
 
 
 def _joined(prompts, pad_id) -> dict:

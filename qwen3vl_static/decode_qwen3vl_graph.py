@@ -38,7 +38,7 @@ import torch
 from .decoder_qwen3vl_graph import decoder_layers
 from .loops_qwen3vl_graph import MAX_EOS_IDS, candidates
 from .ops_sample_qwen3vl_graph import seeded_noise
-from .runner_qwen3vl_graph import GraphRunner, bucket_of, collected, copy_to_host
+from .runner_qwen3vl_graph import GraphRunner, bucket_of, collected, copy_to_host, to_device
 
 MODES = ("logits", "greedy", "sample", "sample_top_k", "sample_seeded", "sample_top_k_seeded")
 PENALIZED = "_penalized"  # a sampling mode's suffix: the rows' penalties first
@@ -181,7 +181,7 @@ class DecodeRunner(GraphRunner):
         for buffer, name in ((self.temperature, "temperature"), (self.top_k, "top_k"), (self.top_p, "top_p"),
                              (self.min_p, "min_p"), (self.seeds, "seed")):
             buffer[rows] = settings[name].to(buffer.dtype)
-        self.draws[rows] = 0
+        self.draws.index_fill_(0, rows, 0)
 
     def enable_penalties(self) -> None:
         """Per-row penalties from now on (`Penalties`, each row without any until `set_rows_penalties`); the graphs
@@ -195,10 +195,11 @@ class DecodeRunner(GraphRunner):
         penalties = self.penalties
         for buffer, column in zip((penalties.repetition, penalties.presence, penalties.frequency), values.unbind(1)):
             buffer[rows] = column
-        penalties.counts[rows] = 0
-        penalties.prompt_seen[rows] = False
+        penalties.counts.index_fill_(0, rows, 0)
+        penalties.prompt_seen.index_fill_(0, rows, False)
         prompt_rows = torch.cat([row.expand(len(ids)) for row, ids in zip(rows, prompts)])
-        penalties.prompt_seen[prompt_rows, torch.cat(prompts)] = True
+        seen = torch.ones((), dtype=torch.bool, device=rows.device)  # on the device: no copy from the host
+        penalties.prompt_seen.index_put_((prompt_rows, torch.cat(prompts)), seen)
 
     # -- rows that start and stop on their own (continuous batching) ---------------------------------------
 
@@ -215,28 +216,28 @@ class DecodeRunner(GraphRunner):
         inputs, at M-RoPE `positions` `(3, b)` (their sampling parameters: `set_row_sampling`)."""
         self.input_ids[rows, 0] = tokens
         self.positions[:, rows, 0] = positions
-        self.cache_lens[rows] = attention_mask.shape[1]
-        self.attendable[rows] = True
+        self.cache_lens.index_fill_(0, rows, attention_mask.shape[1])
+        self.attendable.index_fill_(0, rows, True)
         self.attendable[rows, : attention_mask.shape[1]] = attention_mask.bool()
-        self.unfinished[rows] = True
-        self.parked[rows] = False
+        self.unfinished.index_fill_(0, rows, True)
+        self.parked.index_fill_(0, rows, False)
 
     def park(self, rows, length: int) -> None:
         """Rows `rows` hold the first `length` slots of prompts still being prefilled: they stay inert, and their
         steps write from slot `length` on (slots the next chunk, or the first decode steps, write again before anything
         reads them), not over the prompt."""
-        self.cache_lens[rows] = length
-        self.parked[rows] = True
+        self.cache_lens.index_fill_(0, rows, length)
+        self.parked.index_fill_(0, rows, True)
 
     def release(self, row: int) -> None:
         """Row `row` is free again (finished: inert, as `open_slots` leaves it)."""
-        self.unfinished[row] = False
-        self.parked[row] = False
+        self.unfinished[row].fill_(False)
+        self.parked[row].fill_(False)
 
     def reorder(self, order: list) -> None:
         """Row i takes over everything row `order[i]` held (its request's state and its cache row): continuous
         batching moves the rows in use to the front, so that a step covers them and few others."""
-        index = torch.tensor(order, device=self.cache_rows.device)
+        index = to_device(torch.tensor(order), self.cache_rows.device)
         penalties = self.penalties.buffers() if self.penalties is not None else ()
         for buffer in (self.input_ids, self.cache_lens, self.cache_rows, self.attendable, self.unfinished, self.parked,
                        self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, self.draws, *penalties):

@@ -24,6 +24,16 @@ import bisect
 import torch
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """`tensor` on `device` without waiting for the device's queued work (through pinned memory: a copy from pageable
+    memory waits for the stream); a tensor already on a CUDA device as is."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    if tensor.is_cuda:
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def copy_to_host(*tensors):
     """A handle for `collected`: copies of `tensors` on the host, queued without waiting (pinned memory, an event) on a
     GPU; plain copies elsewhere. The copies are queued before later work overwrites the sources."""

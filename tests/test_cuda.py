@@ -306,6 +306,31 @@ def test_penalized_batches_graph_equals_eager_and_leave_other_rows_alone(models)
     assert tokens["graphs"][1::2] == tokens["plain"][1::2]
 
 
+@pytest.mark.parametrize("case", ["plain", "penalized", "chunked"])
+def test_a_warm_continuous_batch_waits_for_the_device_only_to_read_tokens(models, case):
+    """A host-device sync in the batch's thread (a scalar written through an index, a tensor built from a list on the
+    device) waits for every chunk and prefill queued: the host stops queueing ahead. Once warm (graphs captured, image
+    tables built), a batch of text and image requests from the host (as a server gives them), with rows freed and
+    moved to the front, runs under CUDA's sync debug mode set to raise: only reading tokens (an event) may wait.
+    `penalized`: some requests set penalties; `chunked`: a budget of 200 tokens, the longer prompts in chunks."""
+    ours, _ = models
+    generator = torch.Generator().manual_seed(11)
+    requests = [{**(image_prompt(ours.config, "cpu", generator) if index % 3 == 0
+                    else text_prompt(ours.config, 1, 40 + 23 * index, "cpu", generator)),
+                 "max_new_tokens": 6 + 13 * index} for index in range(12)]
+    if case == "penalized":
+        requests[1]["repetition_penalty"], requests[4]["presence_penalty"] = 1.3, 0.5
+    settings = {"max_prefill_tokens": 200} if case == "chunked" else {}
+    for debug_mode in ("default", "error"):
+        torch.cuda.set_sync_debug_mode(debug_mode)
+        try:
+            results = ours.generate_batch(requests, progress_bar=False, max_batch_size=8, static_cache_len=1024,
+                                          **settings)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert [result.error for result in results.values()] == [None] * len(requests)
+
+
 def relative_error(got, expected):
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 

@@ -88,8 +88,8 @@ def allocator_counts() -> dict:
     if not torch.cuda.is_available():
         return {}
     device, host = torch.cuda.memory_stats(), getattr(torch.cuda, "host_memory_stats", dict)()
-    counts = {f"device_{key}": device.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries",
-                                                               "num_sync_all_streams")}
+    kinds = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+    counts = {f"device_{key}": device.get(key, 0) for key in kinds}
     counts.update({f"host_{key}": host.get(key, 0) for key in ("num_host_alloc", "num_host_free")})
     counts["host_alloc_ms"] = host.get("host_alloc_time.total", 0) / 1000
     return counts
