@@ -216,6 +216,8 @@ class DecodeRunner(GraphRunner):
         inputs, at M-RoPE `positions` `(3, b)` (their sampling parameters: `set_row_sampling`)."""
         self.input_ids[rows, 0] = tokens
         self.positions[:, rows, 0] = positions
+        # Scalars go in through index_fill_ / fill_: written through an index, PyTorch copies them from pageable memory
+        # and waits for the stream, i.e. for every chunk queued ahead (the row writes below and in `park`, `release`).
         self.cache_lens.index_fill_(0, rows, attention_mask.shape[1])
         self.attendable.index_fill_(0, rows, True)
         self.attendable[rows, : attention_mask.shape[1]] = attention_mask.bool()
