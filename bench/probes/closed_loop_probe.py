@@ -3,11 +3,11 @@ each send a request (one 448x448 image + 30 tokens, 128 new tokens, streaming), 
 ended, R each, straight into the manager (no HTTP, no rendering: the engine's share of the server's figures), with the
 server's sizing (rows from memory). A first run captures and tunes; the second is measured: output tok/s, TTFT p50/p99
 (from `add_request` to the host reading the first token), inter-token gaps p50/p99 as the host read them, and the
-manager's counters (admission wait, first-token read, GPU time in prefills, stalls and decode chunks). A third run
-has the batch's thread under torch's profiler: the host calls it spent longest in (self time), each with the lines
-that called it, say what the thread waits for (a host-device sync, a launch, a copy); and a fourth, under CUDA's
-sync debug mode, counts each place where the host waited for the device, by its call stack (reading a chunk's tokens
-is the one wait meant to be there).
+manager's counters (admission wait, first-token read, GPU time in prefills, stalls and decode chunks). A third run,
+under CUDA's sync debug mode, counts each place where the host waited for the device, by its call stack (reading a
+chunk's tokens, an event, is the one wait meant to be there and the mode does not flag it); a fourth has the batch's
+thread under torch's profiler: the host and CUDA runtime calls it spent longest in (self time) say what else it waits
+for (a launch, a copy, an allocation).
 
 Usage: python bench/probes/closed_loop_probe.py [--clients 64] [--requests-per-client 4] [--check]
 (`--check`: the tiny model on the CPU, one client, to try the plumbing.)
@@ -98,17 +98,15 @@ def allocator_counts() -> dict:
 
 
 def profiled(model, prompts: list, clients: int, per_client: int, rows: int | None) -> str:
-    """A closed-loop run with the batch's thread under torch's profiler: its host calls by self time, with callers."""
+    """A closed-loop run with the batch's thread under torch's profiler: its host calls by self time."""
     loop, listing = batching.GraphBatchingManager._loop, []
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
 
     def loop_profiled(self, *args):
-        with torch.profiler.profile(activities=activities, with_stack=True) as profile:
+        with torch.profiler.profile(activities=activities) as profile:  # call stacks: not recorded off the main thread
             loop(self, *args)
-        listing.append(profile.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=25,
-                                                                      max_name_column_width=40))
         listing.append(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
     batching.GraphBatchingManager._loop = loop_profiled
@@ -125,7 +123,7 @@ def syncs(model, prompts: list, clients: int, per_client: int, rows: int | None)
     seen, show = collections.Counter(), warnings.showwarning
 
     def record(message, category, *rest, **kwargs):
-        if "synchroniz" in str(message):
+        if "called a synchronizing" in str(message):
             stack = [line for line in traceback.format_stack(limit=10)[:-1] if "warnings.py" not in line]
             seen[f"{str(message)[:80]}\n" + "".join(stack[-6:])] += 1
         else:
