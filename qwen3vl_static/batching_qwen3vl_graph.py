@@ -14,22 +14,26 @@
 """Continuous batching on the graph engine: many requests share the static cache's rows, each with its own settings.
 
 A background thread owns the batch. Each turn of its loop
-1. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget), and
-   prefills them directly through the engine's prefill runner (no `generate` call: its host work would cost more
-   than the prefill), several prompts per launch, padded on the left within groups of one kind, from their images'
-   features (most encoded ahead, step 4); a prompt longer than the budget is prefilled a budget per turn instead, its
-   row parked (`DecodeRunner.park`) until done;
-2. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
+1. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget), parks
+   their rows (`DecodeRunner.park`: inert, stepping only past the prompt) and queues their prefill directly through
+   the engine's prefill runner (no `generate` call: its host work would cost more than the prefill), several prompts
+   per launch, padded on the left within groups of one kind, from their images' features (most encoded ahead, step
+   5); a prompt longer than the budget is prefilled a budget per turn instead. On a GPU the prefills run on the
+   model's side stream, beside the decode chunks: a request entering does not hold up the rows decoding;
+2. lets the rows whose prefill the host finds done begin decoding (sampling settings, penalties, first token), on
+   the batch's stream; with no row decoding, at once, the stream waiting for their prefill on the GPU;
+3. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
    `StreamingSteps`), sampling in the graph with each row's own parameters and seed (seeded modes:
    `DecodeRunner.sample`);
-3. takes new requests in while the GPU runs that chunk (`_prepare`, on the host: inputs checked, settings resolved,
+4. takes new requests in while the GPU runs that chunk (`_prepare`, on the host: inputs checked, settings resolved,
    M-RoPE positions computed; a bad request fails alone here, before anything is written), as many as keep two
    prefill budgets waiting, and cancellations (an idle batch takes them in first, waiting for them);
-4. runs the vision tower over the images of the requests next in line, on the side stream beside that chunk;
-5. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
+5. runs the vision tower over the images of the requests next in line, on the side stream beside that chunk;
+6. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
    request by its own rules (EOS ids, max_new_tokens, stop strings, cancellation) and streams tokens.
-Running rows thus wait for at most one prefill budget per chunk. No graph is captured per request: decode graphs are
-keyed by (batch bucket, KV bucket, mode), and the row is data.
+No graph is captured per request: decode graphs are keyed by (batch bucket, KV bucket, mode), and the row is data.
+The prefill graphs have a memory pool, capture stream and kernel counters of their own (`GraphEngine`), as two
+graphs replaying at once must not share them.
 
 The manager's API is transformers' `ContinuousBatchingManager`'s (`init_continuous_batching()`, `start`,
 `add_request(..., streaming=...)`, `get_result`, `request_id_iter`, `register_result_handler`, `cancel_request`,
@@ -178,20 +182,34 @@ class _Delivery:
 
 @dataclass
 class _Chunk:
-    """Work queued on the device whose results the host has not read yet."""
+    """Work queued on the batch's stream whose results the host has not read yet."""
 
     handle: object  # `DecodeRunner.issue`'s, None when no decode steps were queued
     owners: dict  # row -> Sequence when the steps were queued
     steps: int
-    entered: list  # sequences prefilled before the steps, whose first tokens `first_tokens` holds
+    entered: list  # sequences whose rows began decoding before the steps, their first tokens in `first_tokens`
     first_tokens: object = None
-    events: tuple = ()  # CUDA timing events before the prefill, between it and the steps, after the steps
-    stalls: bool = False  # its prefill held up rows that were decoding (their next tokens wait for it)
+    events: tuple = ()  # CUDA timing events before and after the decode steps
+    done: object = None  # a CUDA event after all of its work
 
     def finished(self) -> bool | None:
-        """Whether the device has run all of it (None: no events to tell)."""
-        recorded = [event for event in self.events if event is not None]
-        return recorded[-1].query() if recorded else None
+        """Whether the device has run all of it (None: no event to tell)."""
+        return None if self.done is None else self.done.query()
+
+
+@dataclass(eq=False)
+class _Prefilled:
+    """Prompts queued into their rows (on a GPU, on the side stream while the rows step inert): what their rows need to
+    begin decoding once the prefill is done."""
+
+    part: list  # their sequences, in the prefill's row order
+    logits: torch.Tensor  # of their last positions
+    attention_mask: torch.Tensor  # `(b, length)`, on the host: zeros for the left padding
+    next_positions: torch.Tensor  # their first tokens' M-RoPE positions `(3, b)`, on the host
+    done: object = None  # the CUDA event after the prefill (None: the CPU's one stream, done)
+
+    def finished(self) -> bool:
+        return self.done is None or self.done.query()
 
 
 class GraphBatchingManager:
@@ -223,13 +241,15 @@ class GraphBatchingManager:
         self.error = None  # what ended the batch itself, if anything did
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU and
         # issuing admissions, decode steps, row-steps queued (rows covered x steps) and of them held by a request,
-        # prefill launches (and of them run eagerly for want of a graph) and the requests they admitted, the ms the
-        # admitted requests waited from `add_request` to their prefill's launch and from it to the host reading their
-        # first token (any device), requests with images encoded ahead (beside a chunk) and at their admission.
-        self.stats = dict.fromkeys(("prefill_ms", "stall_ms", "decode_ms", "host_wait_ms", "admit_host_ms", "chunks",
-                                    "steps", "row_steps", "request_steps", "prefills", "eager_prefills", "stalls",
+        # prefill launches (of them run eagerly for want of a graph, and launched while rows decoded: beside them)
+        # and the requests they admitted, the ms the admitted requests waited from `add_request` to their prefill's
+        # launch and from it to the host reading their first token (any device), requests with images encoded ahead
+        # (beside a chunk) and at their admission.
+        self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "host_wait_ms", "admit_host_ms", "chunks", "steps",
+                                    "row_steps", "request_steps", "prefills", "eager_prefills", "prefills_beside",
                                     "admitted", "admission_wait_ms", "first_token_ms", "encoded_ahead",
                                     "encoded_at_admission"), 0)
+        self._prefill_events = deque()  # (before, after) CUDA events of prefills whose GPU time is not counted yet
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -438,53 +458,62 @@ class GraphBatchingManager:
         runner = engine.decode
         runner.open_slots(self.generation_config.pad_token_id)
         in_flight, streaming_steps = deque(), StreamingSteps(runner.steps_per_sync)
+        timed = engine.device.type == "cuda"
+        side = engine.capturer.side_stream() if timed else None  # where prefills run, beside the decode chunks
+        prefilled = []  # `_Prefilled` prompts whose rows do not decode yet
         while True:
             if not (scheduler.has_work() or in_flight):
                 self._take_in(scheduler, engine, wait=True)
-            # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter, while rows
-            # decode only once their images are encoded (ahead, beside a chunk): the rows wait for no tower.
+            # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter, while rows are
+            # in use only once their images are encoded (ahead, beside a chunk): no prefill waits for the tower.
             prefilling = [sequence for sequence in scheduler.running.values() if sequence.prefilling]
-            decoding_rows = len(prefilling) < len(scheduler.running)
-            entered = prefilling[:1] or scheduler.schedule(_encoded if decoding_rows else None)
-            chunk, timed = None, engine.device.type == "cuda"
+            busy = len(prefilling) < len(scheduler.running)
+            entered = prefilling[:1] or scheduler.schedule(_encoded if busy else None)
             gpu_idle = in_flight[-1].finished() if in_flight else None  # before this turn queues anything
             behind = None if gpu_idle is None else gpu_idle or self._clients_behind
-            before = _event() if timed and (entered or scheduler.running) else None
+            decoding_rows = any(sequence.decoding for sequence in scheduler.running.values())
             if entered:
-                stalls = any(not sequence.prefilling for sequence in scheduler.running.values())
                 began, eager = time.perf_counter(), engine.prefill.eager_runs
-                chunk = _Chunk(None, {}, 0, *self._enter(entered, engine, scheduler), stalls=stalls)
+                launched = self._enter(entered, engine, scheduler, side)
+                prefilled += launched
                 self.stats["admit_host_ms"] += 1000 * (time.perf_counter() - began)
                 self.stats["eager_prefills"] += engine.prefill.eager_runs - eager
-                self.stats["stalls"] += stalls
-            decoding = {row: sequence for row, sequence in scheduler.running.items() if not sequence.prefilling}
+                self.stats["prefills_beside"] += len(launched) if decoding_rows else 0
+            # Prompts prefilled beside decoding rows join them once the host finds their prefill done; with no row
+            # decoding, the steps wait for the prefills on the GPU instead.
+            ready = [part for part in prefilled if part.finished() or not decoding_rows]
+            chunk = None
+            if ready:
+                prefilled = [part for part in prefilled if part not in ready]
+                chunk = _Chunk(None, {}, 0, *self._activate(ready, engine))
+            decoding = {row: sequence for row, sequence in scheduler.running.items() if sequence.decoding}
             streams = any(sequence.streaming for sequence in decoding.values())
             steps = streaming_steps.next(behind) if streams else runner.steps_per_sync
             if decoding:
                 order = scheduler.compact(lambda rows: bucket_of(runner.batch_buckets, rows))
                 if order is not None:
                     runner.reorder(order)
-                    decoding = {row: sequence for row, sequence in scheduler.running.items()
-                                if not sequence.prefilling}
-                # A parked row's inert steps write past its prompt's frontier: the KV bucket covers them too.
+                    decoding = {row: sequence for row, sequence in scheduler.running.items() if sequence.decoding}
+                # A parked row's inert steps write past its prompt's end: the KV bucket covers them too.
                 length = max([sequence.length for sequence in decoding.values()]
-                             + [sequence.prefilled + steps_past_end(steps) for sequence in scheduler.running.values()
-                                if sequence.prefilling])
+                             + [sequence.length + steps_past_end(steps) for sequence in scheduler.running.values()
+                                if not sequence.decoding])
                 runner.continue_rows(scheduler.active_rows(), length)
                 mode = batch_mode(decoding.values())
                 chunk = chunk or _Chunk(None, {}, 0, [])
-                between = _event() if timed else None
+                before = _event() if timed else None
                 chunk.handle, chunk.owners, chunk.steps = runner.issue(steps, mode), decoding, steps
                 for sequence in decoding.values():
                     sequence.length += steps
                 if timed:
-                    chunk.events = (before, between, _event())
+                    chunk.events = (before, _event())
+                    chunk.done = chunk.events[-1]
                 self.stats["chunks"] += 1
                 self.stats["steps"] += steps
                 self.stats["row_steps"] += runner.batch_size * steps
                 self.stats["request_steps"] += len(decoding) * steps
             elif chunk is not None and timed:
-                chunk.events = (before, _event(), None)
+                chunk.done = _event()
             if chunk is not None:
                 in_flight.append(chunk)
             self._take_in(scheduler, engine, wait=False)  # on the host while the GPU runs what was just queued
@@ -732,10 +761,10 @@ class GraphBatchingManager:
         """`steps_past_end` of the engine's decode runner: slots a row holds beyond its prompt and answer."""
         return steps_past_end(engine.decode.steps_per_sync)
 
-    def _enter(self, entered: list, engine, scheduler) -> tuple:
-        """Prefill the admitted `entered` into their rows, draw their first tokens and set the rows decoding; returns
-        (the ones that went on, their first tokens on their way to the host). A group whose prefill fails is tried
-        again one by one, so that only a bad request fails."""
+    def _enter(self, entered: list, engine, scheduler, side) -> list:
+        """Queue the prefills of the admitted `entered` into their rows (`_launch`); returns their `_Prefilled`s (a long
+        prompt's only with its last chunk). A group whose prefill fails is tried again one by one, so that only a bad
+        request fails."""
         groups = {}
         for sequence in sorted(entered, key=lambda sequence: sequence.prompt_len):  # a kind: its inputs but the pixels,
             groups.setdefault(tuple(sorted(set(sequence.prompt) - set(PIXELS))), []).append(sequence)  # encoded or not
@@ -750,15 +779,10 @@ class GraphBatchingManager:
                 part.append(sequence)
                 most_new = new
             parts += _graph_shaped(part, engine.prefill)
-        went_on, tokens = [], []
+        launched = []
         for part in parts:
             try:
-                first = self._prefill(part, engine)
-                if first is None:  # a long prompt's chunk: more to come
-                    continue
-                tokens.append(first)
-                went_on += part
-                self._count_wait(part)
+                launched.append(self._launch(part, engine, side))
             except Exception as error:  # noqa: BLE001 - the requests' results name it; the others go on
                 if len(part) == 1:
                     engine.decode.release(part[0].row)
@@ -766,17 +790,16 @@ class GraphBatchingManager:
                     continue
                 for sequence in part:
                     try:
-                        tokens.append(self._prefill([sequence], engine))
-                        went_on.append(sequence)
-                        self._count_wait([sequence])
+                        launched.append(self._launch([sequence], engine, side))
                     except Exception as alone:  # noqa: BLE001
                         engine.decode.release(sequence.row)
                         self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(alone).__name__}: {alone}")
-        self.stats["prefills"] += len(tokens)
-        self.stats["admitted"] += len(went_on)
-        if not went_on:
-            return [], None
-        return went_on, copy_to_host(torch.cat(tokens))
+        launched = [prefilled for prefilled in launched if prefilled is not None]  # None: a long prompt's chunk
+        for prefilled in launched:
+            self._count_wait(prefilled.part)
+        self.stats["prefills"] += len(launched)
+        self.stats["admitted"] += sum(len(prefilled.part) for prefilled in launched)
+        return launched
 
     def _count_wait(self, part: list) -> None:
         """The admission wait of requests whose prefill was just launched: from `add_request` to now."""
@@ -785,61 +808,96 @@ class GraphBatchingManager:
         for sequence in part:
             sequence.launched = now
 
-    def _prefill(self, part: list, engine) -> torch.Tensor | None:
-        """One prefill of `part` (prompts of one kind, padded on the left) into their rows; their first tokens. A prompt
-        longer than the budget, alone, is prefilled one budget of it per call: None until its last chunk."""
+    def _launch(self, part: list, engine, side) -> _Prefilled | None:
+        """Queue one prefill of `part` (prompts of one kind, padded on the left) into their rows: on a GPU on the `side`
+        stream, after their rows are parked on the batch's stream, so that the decode chunks queued next run beside it
+        (the rows step inert meanwhile, writing only past the prompt). A prompt longer than the budget, alone, is
+        prefilled one budget of it per call: None until its last chunk."""
         model, runner, device = self.model, engine.decode, engine.device
-        rows = to_device(torch.tensor([sequence.row for sequence in part]), device)
-        cache_rows = to_device(torch.tensor([runner.cache_row_of[sequence.row] for sequence in part]), device)
         first = part[0]
-        if len(part) == 1 and (first.prefilled or first.prompt_len > self.max_prefill_tokens):
-            start = first.prefilled
-            length = min(first.prompt_len, start + self.max_prefill_tokens)
-            ids = first.prompt["input_ids"][:, :length]
-            inputs = {"input_ids": to_device(ids, device), "attention_mask": to_device(torch.ones_like(ids), device),
-                      "position_ids": to_device(first.positions[..., :length], device)}
-            logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, start, rows=cache_rows, padded=False,
-                                              media=self._media_between(first, start, length, engine))
-            first.prefilled = length
-            if first.prefilling:
-                runner.park(rows, length)
-                return None
-            first.media = None
-        else:
-            media = self._media_of(part, engine)  # most encoded ahead
-            inputs = _joined([sequence.prompt for sequence in part], self.generation_config.pad_token_id)
-            length = inputs["input_ids"].shape[1]
-            positions = torch.cat([F.pad(sequence.positions, (length - sequence.prompt_len, 0), value=1)
-                                   for sequence in part], dim=1)
-            padded = any(sequence.prompt_len != length for sequence in part)
-            inputs = {key: _to_device_but_grids(key, value, device) for key, value in inputs.items()}
-            inputs["position_ids"] = to_device(positions, device)
-            logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded,
-                                              media=media)
+        chunked = len(part) == 1 and (first.prefilled or first.prompt_len > self.max_prefill_tokens)
+        if not first.prefilled:
+            length = max(sequence.prompt_len for sequence in part)  # its left padding included
+            runner.park(to_device(torch.tensor([sequence.row for sequence in part]), device), length)
             for sequence in part:
-                sequence.prefilled, sequence.media = sequence.prompt_len, None
-        settings = {name: to_device(torch.tensor([sequence.sampling[name] for sequence in part]), device)
-                    for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
-        runner.set_rows_sampling(rows, settings)
-        mode, penalized = split_mode(batch_mode(part))
-        if penalized:
-            runner.enable_penalties()
-        if runner.penalties is not None:  # rows last held by a request with penalties: set afresh (maybe to none)
-            runner.set_rows_penalties(rows, to_device(torch.tensor([sequence.penalties for sequence in part]), device),
-                                      [to_device(sequence.prompt["input_ids"][0], device) for sequence in part])
-        if penalized:
-            logits = runner.penalties.apply(logits, rows)
-        tokens = first_tokens(runner, logits, mode, rows)
-        if penalized:
-            runner.penalties.count(rows, tokens)
-        next_positions = to_device(torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1), device)
-        runner.admit(rows, tokens, next_positions, inputs["attention_mask"])
+                sequence.length = length
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())  # the parking, and the steps queued before it
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            before = _event() if side is not None else None
+            cache_rows = to_device(torch.tensor([runner.cache_row_of[sequence.row] for sequence in part]), device)
+            if chunked:
+                start = first.prefilled
+                length = min(first.prompt_len, start + self.max_prefill_tokens)
+                ids = first.prompt["input_ids"][:, :length]
+                mask = torch.ones_like(ids)
+                inputs = {"input_ids": to_device(ids, device), "attention_mask": to_device(mask, device),
+                          "position_ids": to_device(first.positions[..., :length], device)}
+                logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, start, rows=cache_rows, padded=False,
+                                                  media=self._media_between(first, start, length, engine))
+                first.prefilled = length
+                if not first.prefilling:
+                    first.media = None
+            else:
+                media = self._media_of(part, engine)  # most encoded ahead
+                inputs = _joined([sequence.prompt for sequence in part], self.generation_config.pad_token_id)
+                mask, length = inputs["attention_mask"], inputs["input_ids"].shape[1]
+                positions = torch.cat([F.pad(sequence.positions, (length - sequence.prompt_len, 0), value=1)
+                                       for sequence in part], dim=1)
+                padded = any(sequence.prompt_len != length for sequence in part)
+                inputs = {key: _to_device_but_grids(key, value, device) for key, value in inputs.items()}
+                inputs["position_ids"] = to_device(positions, device)
+                logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded,
+                                                  media=media)
+                for sequence in part:
+                    sequence.prefilled, sequence.media = sequence.prompt_len, None
+            after = _event() if side is not None else None
+        if side is not None:
+            self._prefill_events.append((before, after))
+        if first.prefilling:
+            return None
         for sequence in part:
-            sequence.length = length  # its left padding included
-            sequence.output.status = RequestStatus.DECODING
             for key in JOINED_INPUTS:  # in its row now: the device memory of its pixels goes back
                 sequence.prompt.pop(key, None)
-        return tokens
+        next_positions = torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1)
+        return _Prefilled(part, logits, mask, next_positions, after)
+
+    def _activate(self, ready: list, engine) -> tuple:
+        """The rows of the `ready` prefills begin decoding, on the batch's stream (which waits for the prefills on the
+        GPU): their sampling settings, penalties and first tokens. Returns (their sequences, their first tokens on
+        their way to the host)."""
+        runner, device = engine.decode, engine.device
+        sequences, tokens = [], []
+        for prefilled in ready:
+            part, logits = prefilled.part, prefilled.logits
+            if prefilled.done is not None:
+                stream = torch.cuda.current_stream()
+                stream.wait_event(prefilled.done)
+                logits.record_stream(stream)  # made on the side stream, read on this one
+            rows = to_device(torch.tensor([sequence.row for sequence in part]), device)  # compaction may move rows
+            settings = {name: to_device(torch.tensor([sequence.sampling[name] for sequence in part]), device)
+                        for name in ("temperature", "top_k", "top_p", "min_p", "seed")}
+            runner.set_rows_sampling(rows, settings)
+            mode, penalized = split_mode(batch_mode(part))
+            if penalized:
+                runner.enable_penalties()
+            if runner.penalties is not None:  # rows last held by a request with penalties: set afresh (maybe to none)
+                runner.set_rows_penalties(rows, to_device(torch.tensor([sequence.penalties for sequence in part]),
+                                                          device),
+                                          [to_device(sequence.prompt["input_ids"][0], device) for sequence in part])
+            if penalized:
+                logits = runner.penalties.apply(logits, rows)
+            first = first_tokens(runner, logits, mode, rows)
+            if penalized:
+                runner.penalties.count(rows, first)
+            runner.admit(rows, first, to_device(prefilled.next_positions, device),
+                         to_device(prefilled.attention_mask, device))
+            for sequence in part:
+                sequence.decoding = True
+                sequence.output.status = RequestStatus.DECODING
+            sequences += part
+            tokens.append(first)
+        return sequences, copy_to_host(torch.cat(tokens))
 
     def _media_between(self, sequence: Sequence, start: int, end: int, engine) -> list:
         """`media_features` of the images and videos whose placeholders lie in the prompt's tokens [start, end): the
@@ -883,12 +941,10 @@ class GraphBatchingManager:
         self.stats["host_wait_ms"] += 1000 * (time.perf_counter() - began)
         self._clients_behind = not all(delivery.taken for delivery in self._handed)  # they had a chunk's time
         if chunk.events:
-            before, between, after = chunk.events
-            self.stats["prefill_ms"] += before.elapsed_time(between)
-            if chunk.stalls:
-                self.stats["stall_ms"] += before.elapsed_time(between)
-            if after is not None:
-                self.stats["decode_ms"] += between.elapsed_time(after)
+            self.stats["decode_ms"] += chunk.events[0].elapsed_time(chunk.events[1])
+        while self._prefill_events and self._prefill_events[0][1].query():  # the prefills done by now
+            before, after = self._prefill_events.popleft()
+            self.stats["prefill_ms"] += before.elapsed_time(after)
         if chunk.handle is not None:
             tokens = tokens.tolist()
             for row, sequence in chunk.owners.items():

@@ -180,8 +180,8 @@ def ttft_breakdown(ours, stock, prompts) -> list:
 
 
 def graph_pool_gib(*pools) -> float:
-    """GiB reserved in the CUDA graph memory pools `pools` (a model's `graph_engine().capturer.pool` and its vision
-    runner's; None before a first capture: 0)."""
+    """GiB reserved in the CUDA graph memory pools `pools` (a model's `graph_engine().capturer.pool` and its prefill
+    and vision runners'; None before a first capture: 0)."""
     ids = {tuple(pool) for pool in pools if pool is not None}
     return sum(segment["total_size"] for segment in torch.cuda.memory_snapshot()
                if tuple(segment["segment_pool_id"]) in ids) / 2**30
@@ -196,7 +196,7 @@ def measure_ours(system, model, args, prompts, image):
                  modes=("greedy",))
     warmup_s = time.perf_counter() - began
     engine = model.graph_engine()
-    graph_pool_gb = graph_pool_gib(engine.capturer.pool, engine.vision.capturer.pool)
+    graph_pool_gb = graph_pool_gib(engine.capturer.pool, engine.prefill.capturer.pool, engine.vision.capturer.pool)
     rows = measure(system, model, prompts, image)
     for row in rows:
         row.update(warmup_s=warmup_s, peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30,
@@ -418,7 +418,7 @@ def report(summary, out_dir: Path) -> Path:
         print_table(server["rows"], ["run", "concurrency", "requests", "output_tokens_per_s", "ttft_ms_p50",
                                      "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "tokens_per_chunk",
                                      "client_cores_busy", "server_cores_busy", "gpu_prefill_busy", "gpu_decode_busy",
-                                     "requests_per_prefill", "stall_ms_mean", "prefill_gpu_ms_mean",
+                                     "requests_per_prefill", "prefill_beside_share", "prefill_gpu_ms_mean",
                                      "admit_host_ms_mean", "eager_prefill_share", "engine_cores_busy",
                                      "answers_as_asked"])
         for key, value in server.items():

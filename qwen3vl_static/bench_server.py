@@ -181,9 +181,8 @@ def metrics(base: str) -> dict:
 
 
 def batch_counters(before: dict, after: dict, seconds: float) -> dict:
-    """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch, how often
-    and for how long admissions held up decoding rows (a stream's longest gaps: a stall and the chunk before it), the
-    steps per chunk (the tokens a stream gets at once). Per prefill launch: its GPU time (a vision tower still running
+    """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch, the share
+    of launches beside decoding rows (the prefill and the steps then share the GPU), the steps per chunk (the tokens a stream gets at once). Per prefill launch: its GPU time (a vision tower still running
     beside it included), the batch thread's host time issuing it (where that comes near the GPU time, the host bounds
     admissions) and whether it ran eagerly for want of a graph. Per admitted request, how long it waited in the batch
     for its prefill's launch, and from that launch to the batch reading its first token. Of the requests with images,
@@ -191,7 +190,7 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
-    prefills, stalls = grown("prefills_total"), grown("stalls_total")
+    prefills = grown("prefills_total")
     ahead = grown("requests_encoded_ahead_total")
     return {"gpu_prefill_busy": grown("gpu_prefill_seconds_total") / seconds,
             "gpu_decode_busy": grown("gpu_decode_seconds_total") / seconds, "prefills": int(prefills),
@@ -203,7 +202,7 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             / max(grown("admitted_requests_total"), 1),
             "first_token_read_ms_mean": 1000 * grown("first_token_read_seconds_total")
             / max(grown("admitted_requests_total"), 1),
-            "stalls_per_s": stalls / seconds, "stall_ms_mean": 1000 * grown("gpu_stall_seconds_total") / max(stalls, 1),
+            "prefill_beside_share": grown("prefills_beside_total") / max(prefills, 1),
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),
             "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds,

@@ -16,8 +16,8 @@
 The graphs of one capturer share its memory pool, so a model pays for the largest graph's scratch memory once, not per
 graph. That is safe because they are replayed one at a time (on one stream, or `generate`'s lock between calls) and
 no graph keeps an output in pool memory: each step writes its results into its runner's own static buffers. The
-language model's graphs share one capturer; the vision tower's have one of their own (the same side stream, another
-pool and another capture stream, whose cuBLAS workspace its graphs bake in), as continuous batching replays them on
+decode step's graphs have one capturer, the prefill's and the vision tower's one each (the same side stream, another
+pool and another capture stream, whose cuBLAS workspace their graphs bake in), as continuous batching replays them on
 the side stream while the decode step's run.
 """
 

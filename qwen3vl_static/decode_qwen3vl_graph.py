@@ -129,9 +129,10 @@ class DecodeRunner(GraphRunner):
         self.eos_ids = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=device)
         self.pad_id = zeros(())
         self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
-        # Rows whose request's long prompt is being prefilled chunk by chunk: inert, but their cache length stays at
-        # the prompt's frontier (their steps write just past it, where the next chunk writes) instead of slot 0.
+        # Rows whose prompt is being prefilled (continuous batching, beside the steps): inert, their cache length
+        # back at the prompt's end (`park_lens`) every chunk, so their steps write only past the prompt, never over it.
         self.parked = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.park_lens = zeros(rows)
         self.steps_per_sync = steps_per_sync
         self.out_tokens = zeros(rows, steps_per_sync)
         self.out_unfinished = torch.zeros(rows, steps_per_sync, dtype=torch.bool, device=device)
@@ -225,11 +226,14 @@ class DecodeRunner(GraphRunner):
         self.parked.index_fill_(0, rows, False)
 
     def park(self, rows, length: int) -> None:
-        """Rows `rows` hold the first `length` slots of prompts still being prefilled: they stay inert, and their
-        steps write from slot `length` on (slots the next chunk, or the first decode steps, write again before anything
-        reads them), not over the prompt."""
+        """Rows `rows` (a `(b,)` tensor) are taken by prompts of `length` slots being prefilled, maybe on another
+        stream while they step: they stay inert, their steps write from slot `length` on (slots their first decode
+        steps write again before anything reads them) and attend only those, not the prompt's slots."""
         self.cache_lens.index_fill_(0, rows, length)
+        self.park_lens.index_fill_(0, rows, length)
         self.parked.index_fill_(0, rows, True)
+        self.attendable.index_fill_(0, rows, True)
+        self.attendable[:, :length].index_fill_(0, rows, False)
 
     def release(self, row: int) -> None:
         """Row `row` is free again (finished: inert, as `open_slots` leaves it)."""
@@ -242,17 +246,19 @@ class DecodeRunner(GraphRunner):
         index = to_device(torch.tensor(order), self.cache_rows.device)
         penalties = self.penalties.buffers() if self.penalties is not None else ()
         for buffer in (self.input_ids, self.cache_lens, self.cache_rows, self.attendable, self.unfinished, self.parked,
-                       self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, self.draws, *penalties):
+                       self.park_lens, self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, self.draws,
+                       *penalties):
             buffer.copy_(buffer.index_select(0, index))
         self.positions.copy_(self.positions.index_select(1, index))
         self.cache_row_of = [self.cache_row_of[row] for row in order]
 
     def continue_rows(self, rows: int, length: int) -> None:
         """The next chunk steps the first `rows` rows, the longest of them holding `length` cache slots. Free rows go
-        back to slot 0 of their own cache row first, so however long they stay free they never pass its end (parked
-        rows stay where `park` put them)."""
+        back to slot 0 of their own cache row first and parked rows to their prompt's end, so however long they stay
+        inert they never pass their cache row's end."""
         free = ~self.unfinished & ~self.parked
         self.cache_lens.masked_fill_(free, 0)
+        self.cache_lens.copy_(torch.where(self.parked, self.park_lens, self.cache_lens))
         self.positions.masked_fill_(free[None, :, None], 0)
         self.batch_size, self.length = rows, length
 

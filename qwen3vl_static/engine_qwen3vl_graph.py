@@ -13,10 +13,10 @@
 # limitations under the License.
 """GraphEngine: everything the fast path of one model holds, for its weights' device and dtype.
 
-It owns the persistent KV cache, the op set (fused Triton kernels or their torch references) with its own kernel
+It owns the persistent KV cache, the op sets (fused Triton kernels or their torch references) with their own kernel
 tuner (measured choices are per engine: two models in one process never share them), the graph capturers (one side
-stream; a memory pool for the language model's graphs, one for the tower's) and the three runners, each given the weights and modules it computes
-with. The model builds an engine on first use and again once its weights move or are replaced (`current`).
+stream; a memory pool each for the decode step's, the prefill's and the tower's graphs) and the three runners, each
+given the weights and modules it computes with. The model builds an engine on first use and again once its weights move or are replaced (`current`).
 """
 
 import time
@@ -63,9 +63,13 @@ class GraphEngine:
         self.decode = DecodeRunner(self.text, self.cache, self.ops, rotary, config.batch_buckets(),
                                    config.cache_buckets(), config.steps_per_sync, self.capturer, graphs)
         visual = model.model.visual
+        # The prefill's graphs and kernel counters of their own too: continuous batching runs prefills beside the
+        # decode step's (two graphs of one pool, or kernels of one set of counters, must not run at once).
         self.prefill = PrefillRunner(
-            self.text, self.cache, self.ops, len(visual.deepstack_visual_indexes), config.batch_buckets(),
-            config.prompt_buckets(), config.cache_buckets(), config.prefill_graph_tokens, self.capturer, graphs, bucketed,
+            self.text, self.cache, make_ops(self.device, self.dtype, config.use_triton_kernels, self.tuner),
+            len(visual.deepstack_visual_indexes), config.batch_buckets(), config.prompt_buckets(),
+            config.cache_buckets(), config.prefill_graph_tokens, GraphCapturer(streams_of=self.capturer), graphs,
+            bucketed,
         )
         vision_weight = visual.patch_embed.proj.weight
         vision_ops = make_ops(vision_weight.device, vision_weight.dtype, config.use_triton_kernels, self.tuner)

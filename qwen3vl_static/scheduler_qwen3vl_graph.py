@@ -43,7 +43,8 @@ class Sequence:
     streaming: bool = False
     row: int | None = None
     length: int = 0  # cache slots its row holds (prompt, then one per step)
-    prefilled: int = 0  # prompt tokens in its row so far (a long prompt enters in chunks)
+    prefilled: int = 0  # prompt tokens queued into its row so far (a long prompt enters in chunks)
+    decoding: bool = False  # its row decodes: its prompt's prefill is done and its first token drawn
     media: list | None = None  # its images' and videos' features once encoded (ahead of its prefill), in order
     media_done: object = None  # the CUDA event after which they are on the device (None: on the CPU)
     delivered: int = 0  # generated tokens already streamed
@@ -61,7 +62,7 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        """Whether its prompt is not all in its row yet (it does not decode)."""
+        """Whether its prompt is not all queued into its row yet."""
         return self.prefilled < self.prompt_len
 
     @property

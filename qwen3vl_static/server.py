@@ -54,9 +54,7 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 # The batch's counters (`GraphBatchingManager.stats`) at GET /metrics: name, scale, help.
 METRICS = {
     "prefill_ms": ("qwen3vl_static_gpu_prefill_seconds_total", 1e-3,
-                   "GPU time in prefills (on the default stream: a tower still running beside it included)"),
-    "stall_ms": ("qwen3vl_static_gpu_stall_seconds_total", 1e-3,
-                 "GPU time in prefills that held up rows decoding (their next tokens waited)"),
+                   "GPU time in prefills (beside decode steps, sharing the GPU, while rows decode)"),
     "decode_ms": ("qwen3vl_static_gpu_decode_seconds_total", 1e-3, "GPU time in decode steps"),
     "host_wait_ms": ("qwen3vl_static_host_wait_seconds_total", 1e-3, "time the batch's thread waited for the GPU"),
     "admit_host_ms": ("qwen3vl_static_admit_host_seconds_total", 1e-3,
@@ -67,7 +65,7 @@ METRICS = {
     "prefills": ("qwen3vl_static_prefills_total", 1, "prefill launches"),
     "eager_prefills": ("qwen3vl_static_eager_prefills_total", 1,
                        "prefill launches run eagerly although graphs are on (no graph bucket fits their rows)"),
-    "stalls": ("qwen3vl_static_stalls_total", 1, "admission turns that held up rows decoding"),
+    "prefills_beside": ("qwen3vl_static_prefills_beside_total", 1, "prefill launches while rows decoded (beside them)"),
     "admitted": ("qwen3vl_static_admitted_requests_total", 1, "requests that entered the batch"),
     "admission_wait_ms": ("qwen3vl_static_admission_wait_seconds_total", 1e-3,
                           "time the admitted requests waited from reaching the batch to their prefill's launch"),

@@ -10,6 +10,7 @@ from conftest import bucketed_pair, build, chat, image, new_pair
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+import qwen3vl_static.batching_qwen3vl_graph as batching
 import qwen3vl_static.modeling_qwen3vl_graph as modeling
 from qwen3vl_static.batching_qwen3vl_graph import (
     StreamingSteps,
@@ -84,9 +85,9 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
     assert all(events[index + 1][0] == "decode" for index in turns)  # each admission is followed by a chunk
     decoded = [rows for kind, rows in events[: turns[-1] + 2] if kind == "decode"]
     assert len(decoded) == 6 and decoded[:4] == [2, 4, 6, 8]  # running rows step on while the others enter
-    # Every admission after the first held up rows that were decoding: a stall each (their GPU time: on a GPU).
+    # Every admission after the first was launched while rows decoded: beside them (on a GPU, on the side stream).
     stats = manager.stats
-    assert stats["stalls"] == 5 and stats["stall_ms"] == 0 and stats["chunks"] == len(
+    assert stats["prefills_beside"] == 5 and stats["prefill_ms"] == 0 and stats["chunks"] == len(
         [event for event in events if event[0] == "decode"]) and stats["steps"] == 2 * stats["chunks"]
     # The batch's thread spent host time issuing each admission; none ran eagerly for want of a graph (CPU: no graphs).
     assert stats["admit_host_ms"] > 0 and stats["eager_prefills"] == 0
@@ -436,6 +437,44 @@ def test_a_prompt_longer_than_the_budget_enters_in_chunks(pair):
     assert len(prefills) > 4 and set(prefills) == {1}  # the long prompts a chunk at a time
     chunks = [index for index, event in enumerate(events) if event[0] == "prefill"]
     assert all(events[index + 1][0] == "decode" for index in chunks[:-1])  # the others decode between chunks
+
+
+def test_a_prompt_prefilled_beside_decoding_rows_joins_them_once_its_prefill_is_done(monkeypatch):
+    """Requests that enter while rows decode have their prompts prefilled beside the decode chunks (on a GPU, on the
+    side stream) and begin decoding at the first turn the host finds their prefill done. Here a prefill reads as done
+    only after 30 turns: meanwhile its row is parked (it steps inert, never past its cache row's end, however many
+    chunks it waits) and moved to the front as another request finishes; every answer still equals `generate`'s."""
+    ours, stock = new_pair(max_batch_size=4, steps_per_sync=2, static_cache_len=96)
+    capacity = ours.graph_engine().cache.capacity
+    requests, expected = requests_and_expected(stock, 5, lengths=[70, 20, 2, 2, 8],
+                                               cases=[TEXT, CASES[0], CASES[1], CASES[1], CASES[3]])
+    polls = {}
+
+    def finished(prefilled):  # the first admissions enter at once all the same: no row decodes yet
+        polls[id(prefilled)] = polls.get(id(prefilled), 0) + 1
+        return polls[id(prefilled)] > 30
+
+    monkeypatch.setattr(batching._Prefilled, "finished", finished)
+    ours.generation_config.eos_token_id = None  # the long answer runs its length, as `generate`'s reference did
+    runner = ours.graph_engine().decode
+    issue, reorder, moved_parked, deepest = runner.issue, runner.reorder, [], []
+
+    def checked_issue(steps, mode):
+        deepest.append(int(runner.cache_lens.max()) + steps)  # the last slot a row's steps write, plus one
+        return issue(steps, mode)
+
+    def recorded_reorder(order):
+        moved_parked.append(bool(runner.parked.any()))
+        reorder(order)
+
+    runner.issue, runner.reorder = checked_issue, recorded_reorder
+    manager = ours.init_continuous_batching()
+    results = manager.generate_all(requests, progress_bar=False)
+    assert [result.generated_tokens for result in results.values()] == expected
+    assert manager.stats["prefills_beside"] == 1 and max(polls.values()) > 30
+    # The last request's row waited parked for 30 chunks (60 steps from its 40-slot prompt: past the 96 slots
+    # without going back to the prompt's end every chunk), and a reorder moved it.
+    assert max(deepest) <= capacity and any(moved_parked)
 
 
 def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():

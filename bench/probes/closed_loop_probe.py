@@ -3,11 +3,11 @@ each send a request (one 448x448 image + 30 tokens, 128 new tokens, streaming), 
 ended, R each, straight into the manager (no HTTP, no rendering: the engine's share of the server's figures), with the
 server's sizing (rows from memory). A first run captures and tunes; the second is measured: output tok/s, TTFT p50/p99
 (from `add_request` to the host reading the first token), inter-token gaps p50/p99 as the host read them, and the
-manager's counters (admission wait, first-token read, GPU time in prefills, stalls and decode chunks). A third run,
-under CUDA's sync debug mode, counts each place where the host waited for the device, by its call stack (reading a
-chunk's tokens, an event, is the one wait meant to be there and the mode does not flag it); a fourth has the batch's
-thread under torch's profiler: the host and CUDA runtime calls it spent longest in (self time) say what else it waits
-for (a launch, a copy, an allocation).
+manager's counters (admission wait, first-token read, GPU time in prefills and decode chunks, prefills beside
+decoding rows). A third run, under CUDA's sync debug mode, counts each place where the host waited for the device, by
+its call stack (reading a chunk's tokens, an event, is the one wait meant to be there and the mode does not flag it);
+a fourth has the batch's thread under torch's profiler: the host and CUDA runtime calls it spent longest in (self
+time) say what else it waits for (a launch, a copy, an allocation).
 
 Usage: python bench/probes/closed_loop_probe.py [--clients 64] [--requests-per-client 4] [--check]
 (`--check`: the tiny model on the CPU, one client, to try the plumbing.)
@@ -79,8 +79,7 @@ def closed_loop(model, prompts: list, clients: int, per_client: int, rows: int |
             "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": percentile(ttft, 0.99),
             "itl_ms_p50": statistics.median(gaps), "itl_ms_p99": percentile(gaps, 0.99),
             "admission_wait_ms_mean": stats.pop("admission_wait_ms") / admitted,
-            "first_token_read_ms_mean": stats.pop("first_token_ms") / admitted,
-            "stall_ms_mean": stats["stall_ms"] / max(stats["stalls"], 1), **stats, **memory}
+            "first_token_read_ms_mean": stats.pop("first_token_ms") / admitted, **stats, **memory}
 
 
 def allocator_counts() -> dict:

@@ -29,7 +29,7 @@ def memory(model=None) -> dict:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     engine = None if model is None else model.graph_engine()
-    pools = () if engine is None else (engine.capturer.pool, engine.vision.capturer.pool)
+    pools = () if engine is None else (engine.capturer.pool, engine.prefill.capturer.pool, engine.vision.capturer.pool)
     return {"reserved_gib": torch.cuda.memory_reserved() / GIB, "graph_pool_gib": graph_pool_gib(*pools),
             "allocated_gib": torch.cuda.memory_allocated() / GIB}
 
