@@ -20,8 +20,9 @@ A background thread owns the batch. Each turn of its loop
    per launch, padded on the left within groups of one kind, from their images' features (most encoded ahead, step
    5); a prompt longer than the budget is prefilled a budget per turn instead. On a GPU the prefills run on the
    model's side stream, beside the decode chunks: a request entering does not hold up the rows decoding;
-2. lets the rows whose prefill the host finds done begin decoding (sampling settings, penalties, first token), on
-   the batch's stream; with no row decoding, at once, the stream waiting for their prefill on the GPU;
+2. lets rows begin decoding (sampling settings, penalties, first token) on the batch's stream, which waits for their
+   prefill on the GPU: once the decode steps their prefill's tokens take are queued beside it (a count, so that the
+   schedule does not depend on timing), or at once when no row decodes;
 3. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
    `StreamingSteps`), sampling in the graph with each row's own parameters and seed (seeded modes:
    `DecodeRunner.sample`);
@@ -84,6 +85,10 @@ DEFAULT_MAX_PREFILL_TOKENS = 8192
 # Prefill budgets of prompts kept checked and waiting, their images encoded ahead: a turn admits one budget, and the
 # next one's images are encoded meanwhile.
 AHEAD_BUDGETS = 2
+# Prompt tokens a prefill beside the decode steps gets through per step, for when its rows begin decoding: a count of
+# steps, not the prefill's event as the host happens to find it, so that a batch's schedule does not depend on timing
+# (on an H200, 2B, an 8 x 256-token prefill beside 64 rows' steps spans about 4 of them).
+PREFILL_TOKENS_PER_STEP = 512
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 MAX_SLOTS = 512  # past this many rows a step's KV reads grow with the rows and tokens/s no longer does
 
@@ -207,9 +212,13 @@ class _Prefilled:
     attention_mask: torch.Tensor  # `(b, length)`, on the host: zeros for the left padding
     next_positions: torch.Tensor  # their first tokens' M-RoPE positions `(3, b)`, on the host
     done: object = None  # the CUDA event after the prefill (None: the CPU's one stream, done)
+    steps_left: int = 0  # decode steps to queue beside it before its rows begin decoding
 
-    def finished(self) -> bool:
-        return self.done is None or self.done.query()
+
+def steps_beside(tokens: int, side) -> int:
+    """Decode steps a prefill of `tokens` prompt tokens queued on `side` (None: the CPU's one stream, where it is done
+    once queued) runs beside before its rows begin decoding."""
+    return 0 if side is None else math.ceil(tokens / PREFILL_TOKENS_PER_STEP)
 
 
 class GraphBatchingManager:
@@ -479,9 +488,9 @@ class GraphBatchingManager:
                 self.stats["admit_host_ms"] += 1000 * (time.perf_counter() - began)
                 self.stats["eager_prefills"] += engine.prefill.eager_runs - eager
                 self.stats["prefills_beside"] += len(launched) if decoding_rows else 0
-            # Prompts prefilled beside decoding rows join them once the host finds their prefill done; with no row
-            # decoding, the steps wait for the prefills on the GPU instead.
-            ready = [part for part in prefilled if part.finished() or not decoding_rows]
+            # Prompts prefilled beside decoding rows join them once the steps their prefill takes are queued, or at
+            # once when no row decodes; the batch's stream waits for the prefill on the GPU.
+            ready = [part for part in prefilled if part.steps_left <= 0 or not decoding_rows]
             chunk = None
             if ready:
                 prefilled = [part for part in prefilled if part not in ready]
@@ -505,6 +514,8 @@ class GraphBatchingManager:
                 chunk.handle, chunk.owners, chunk.steps = runner.issue(steps, mode), decoding, steps
                 for sequence in decoding.values():
                     sequence.length += steps
+                for part in prefilled:
+                    part.steps_left -= steps
                 if timed:
                     chunk.events = (before, _event())
                     chunk.done = chunk.events[-1]
@@ -860,7 +871,7 @@ class GraphBatchingManager:
             for key in JOINED_INPUTS:  # in its row now: the device memory of its pixels goes back
                 sequence.prompt.pop(key, None)
         next_positions = torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1)
-        return _Prefilled(part, logits, mask, next_positions, after)
+        return _Prefilled(part, logits, mask, next_positions, after, steps_beside(len(part) * length, side))
 
     def _activate(self, ready: list, engine) -> tuple:
         """The rows of the `ready` prefills begin decoding, on the batch's stream (which waits for the prefills on the

@@ -439,28 +439,24 @@ def test_a_prompt_longer_than_the_budget_enters_in_chunks(pair):
     assert all(events[index + 1][0] == "decode" for index in chunks[:-1])  # the others decode between chunks
 
 
-def test_a_prompt_prefilled_beside_decoding_rows_joins_them_once_its_prefill_is_done(monkeypatch):
+def test_a_prompt_prefilled_beside_decoding_rows_joins_them_after_the_steps_its_prefill_takes(monkeypatch):
     """Requests that enter while rows decode have their prompts prefilled beside the decode chunks (on a GPU, on the
-    side stream) and begin decoding at the first turn the host finds their prefill done. Here a prefill reads as done
-    only after 30 turns: meanwhile its row is parked (it steps inert, never past its cache row's end, however many
-    chunks it waits) and moved to the front as another request finishes; every answer still equals `generate`'s."""
+    side stream) and begin decoding once the steps their prefill takes are queued (on the CPU's one stream a prefill
+    is done once queued: none). Here a prefill takes 60 steps: meanwhile its row is parked (it steps inert, never past
+    its cache row's end, however many chunks it waits) and moved to the front as another request finishes; every
+    answer still equals `generate`'s."""
     ours, stock = new_pair(max_batch_size=4, steps_per_sync=2, static_cache_len=96)
     capacity = ours.graph_engine().cache.capacity
     requests, expected = requests_and_expected(stock, 5, lengths=[70, 20, 2, 2, 8],
                                                cases=[TEXT, CASES[0], CASES[1], CASES[1], CASES[3]])
-    polls = {}
-
-    def finished(prefilled):  # the first admissions enter at once all the same: no row decodes yet
-        polls[id(prefilled)] = polls.get(id(prefilled), 0) + 1
-        return polls[id(prefilled)] > 30
-
-    monkeypatch.setattr(batching._Prefilled, "finished", finished)
+    monkeypatch.setattr(batching, "steps_beside", lambda tokens, side: 60)
     ours.generation_config.eos_token_id = None  # the long answer runs its length, as `generate`'s reference did
     runner = ours.graph_engine().decode
-    issue, reorder, moved_parked, deepest = runner.issue, runner.reorder, [], []
+    issue, reorder, moved_parked, deepest, stepped = runner.issue, runner.reorder, [], [], []
 
     def checked_issue(steps, mode):
         deepest.append(int(runner.cache_lens.max()) + steps)  # the last slot a row's steps write, plus one
+        stepped.append((steps, int(runner.parked.sum())))
         return issue(steps, mode)
 
     def recorded_reorder(order):
@@ -471,9 +467,10 @@ def test_a_prompt_prefilled_beside_decoding_rows_joins_them_once_its_prefill_is_
     manager = ours.init_continuous_batching()
     results = manager.generate_all(requests, progress_bar=False)
     assert [result.generated_tokens for result in results.values()] == expected
-    assert manager.stats["prefills_beside"] == 1 and max(polls.values()) > 30
-    # The last request's row waited parked for 30 chunks (60 steps from its 40-slot prompt: past the 96 slots
-    # without going back to the prompt's end every chunk), and a reorder moved it.
+    assert manager.stats["prefills_beside"] == 1
+    # The last request's row stayed parked for 60 steps (from its 40-slot prompt: past the 96 slots without going back
+    # to the prompt's end every chunk), and a reorder moved it meanwhile.
+    assert sum(steps for steps, parked in stepped if parked) == 60
     assert max(deepest) <= capacity and any(moved_parked)
 
 
