@@ -86,9 +86,11 @@ DEFAULT_MAX_PREFILL_TOKENS = 8192
 # next one's images are encoded meanwhile.
 AHEAD_BUDGETS = 2
 # Prompt tokens a prefill beside the decode steps gets through per step, for when its rows begin decoding: a count of
-# steps, not the prefill's event as the host happens to find it, so that a batch's schedule does not depend on timing
-# (on an H200, 2B, an 8 x 256-token prefill beside 64 rows' steps spans about 4 of them).
-PREFILL_TOKENS_PER_STEP = 512
+# steps, not the prefill's event as the host happens to find it, so that a batch's schedule does not depend on timing.
+# A step takes longer the more rows it has, and more runs beside it: on an H200 (2B) an 8 x 256-token prefill spans
+# about 4 steps of 64 rows (2.4 ms each) and 2 of 256 (4.9 ms).
+PREFILL_TOKENS_PER_STEP = 336
+PREFILL_TOKENS_PER_STEP_ROW = 3
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 MAX_SLOTS = 512  # past this many rows a step's KV reads grow with the rows and tokens/s no longer does
 
@@ -215,10 +217,10 @@ class _Prefilled:
     steps_left: int = 0  # decode steps to queue beside it before its rows begin decoding
 
 
-def steps_beside(tokens: int, side) -> int:
-    """Decode steps a prefill of `tokens` prompt tokens queued on `side` (None: the CPU's one stream, where it is done
-    once queued) runs beside before its rows begin decoding."""
-    return 0 if side is None else math.ceil(tokens / PREFILL_TOKENS_PER_STEP)
+def steps_beside(tokens: int, rows: int, side) -> int:
+    """Decode steps of about `rows` rows that a prefill of `tokens` prompt tokens queued on `side` (None: the CPU's one
+    stream, where it is done once queued) runs beside before its rows begin decoding."""
+    return 0 if side is None else math.ceil(tokens / (PREFILL_TOKENS_PER_STEP + PREFILL_TOKENS_PER_STEP_ROW * rows))
 
 
 class GraphBatchingManager:
@@ -589,8 +591,7 @@ class GraphBatchingManager:
     def _media_ahead(self, scheduler, engine) -> None:
         """The images and videos of the requests next in line (`AHEAD_BUDGETS` prefill budgets) encoded now, on the
         model's side stream while the GPU runs the decode chunk just queued: their prefill then starts from the
-        features, so the decode steps it holds up wait for the language model only. A request whose media cannot be
-        encoded fails alone."""
+        features. A request whose media cannot be encoded fails alone."""
         upcoming = scheduler.upcoming(AHEAD_BUDGETS * self.max_prefill_tokens)
         pending = [sequence for sequence in upcoming if _unencoded(sequence)]
         try:
@@ -871,7 +872,8 @@ class GraphBatchingManager:
             for key in JOINED_INPUTS:  # in its row now: the device memory of its pixels goes back
                 sequence.prompt.pop(key, None)
         next_positions = torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1)
-        return _Prefilled(part, logits, mask, next_positions, after, steps_beside(len(part) * length, side))
+        return _Prefilled(part, logits, mask, next_positions, after,
+                          steps_beside(len(part) * length, runner.batch_size, side))
 
     def _activate(self, ready: list, engine) -> tuple:
         """The rows of the `ready` prefills begin decoding, on the batch's stream (which waits for the prefills on the

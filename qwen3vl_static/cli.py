@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cache slots per request, prompt and answer (static_cache_len)")
     server.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     server.add_argument("--max-prefill-tokens", type=positive_int,
-                        help="prompt tokens prefilled between two decode chunks: fewer hold decoding requests up for "
-                        "less time, more admit waiting ones sooner (default 8192)")
+                        help="prompt tokens admitted per turn of the batch (prefilled beside its decode chunks): "
+                        "more admit waiting ones sooner, fewer slow the decoding rows' steps less (default 8192)")
     server.add_argument("--warmup", action="store_true",
                         help="capture the batch's CUDA graphs (every batch size, cache length and sampling mode) and "
                         "measure its kernels before taking requests, so that the first ones wait for neither")

@@ -117,7 +117,7 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
     except Exception as error:  # noqa: BLE001 - reported to the first process, which raises it
         control.send(("failed", f"{type(error).__name__}: {error}"))
         return
-    logger.info("engine process [%d]: %d rows of %d slots, up to %d prompt tokens prefilled between decode chunks; "
+    logger.info("engine process [%d]: %d rows of %d slots, up to %d prompt tokens admitted per turn; "
                 "image patches cross as %s", os.getpid(), engine.cache.rows, engine.cache.capacity,
                 manager.max_prefill_tokens, "uint8, normalized here" if normalizer is not None else
                 "float32 (the processor's own)")

@@ -338,8 +338,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         slots, default the config's, as fit in `gpu_memory_utilization` of the GPU's memory, at most 512 and at most
         `requests` when given; on the CPU the config's). A size other than the config's rebuilds the cache (and its
         graphs), which later `generate` calls use too; one log line says what was chosen and why. Waiting prompts
-        enter `max_prefill_tokens` at a time between chunks of decode steps. `tokenizer` decodes answers for requests
-        with `stop_strings`."""
+        enter `max_prefill_tokens` at a time, prefilled beside the chunks of decode steps. `tokenizer` decodes answers
+        for requests with `stop_strings`."""
         self._size_cache(max_batch_size, static_cache_len, gpu_memory_utilization, max_prefill_tokens, requests)
         return GraphBatchingManager(self, generation_config, max_queue_size, max_prefill_tokens, tokenizer)
 

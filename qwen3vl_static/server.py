@@ -628,7 +628,7 @@ def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1"
           max_prefill_tokens: int | None = None, warmup: bool = False, **settings) -> None:
     """Serve the model `build_model()` returns with the processor `build_processor()` returns (both picklable
     callables: they run in the processes started here; `max_batch_size`: the batch's rows, None: sized from memory;
-    `max_prefill_tokens`: the prompt tokens prefilled between two decode chunks, None: the batch's default; `warmup`:
+    `max_prefill_tokens`: the prompt tokens admitted per turn of the batch, None: the batch's default; `warmup`:
     capture the batch's graphs before taking requests)
     from one engine process and `api_servers` HTTP processes (None: `default_api_servers()`) until SIGINT / SIGTERM,
     which drain them (`settings`: `OpenAIServer`'s)."""

@@ -449,7 +449,7 @@ def test_a_prompt_prefilled_beside_decoding_rows_joins_them_after_the_steps_its_
     capacity = ours.graph_engine().cache.capacity
     requests, expected = requests_and_expected(stock, 5, lengths=[70, 20, 2, 2, 8],
                                                cases=[TEXT, CASES[0], CASES[1], CASES[1], CASES[3]])
-    monkeypatch.setattr(batching, "steps_beside", lambda tokens, side: 60)
+    monkeypatch.setattr(batching, "steps_beside", lambda tokens, rows, side: 60)
     ours.generation_config.eos_token_id = None  # the long answer runs its length, as `generate`'s reference did
     runner = ours.graph_engine().decode
     issue, reorder, moved_parked, deepest, stepped = runner.issue, runner.reorder, [], [], []
@@ -472,6 +472,45 @@ def test_a_prompt_prefilled_beside_decoding_rows_joins_them_after_the_steps_its_
     # to the prompt's end every chunk), and a reorder moved it meanwhile.
     assert sum(steps for steps, parked in stepped if parked) == 60
     assert max(deepest) <= capacity and any(moved_parked)
+
+
+@pytest.mark.parametrize("budget", [None, 12], ids=["whole", "chunked"])
+def test_every_setting_gives_the_same_tokens_whenever_rows_join(monkeypatch, budget):
+    """Greedy, seeded sampled and penalized requests over 4 rows, with long prompts entering in chunks (`chunked`):
+    each gets the same tokens whether the rows that enter while others decode begin decoding in the turn they enter
+    (the CPU's) or 5 steps later, parked meanwhile (a prefill beside the decode steps); a request cancelled while its
+    row waits to begin ends cancelled, and the others are unaffected."""
+    ours, _ = new_pair(steps_per_sync=2)
+    settings = [{}, {"temperature": 1.3, "seed": 7}, {"repetition_penalty": 1.4}, {"top_k": 5, "seed": 2},
+                {"presence_penalty": 1.0, "frequency_penalty": 0.5}, {}, {"temperature": 0.8, "top_p": 0.9, "seed": 9}]
+    requests = [{**build(CASES[index % len(CASES)]), "max_new_tokens": 3 + 2 * index, **own}
+                for index, own in enumerate(settings)]
+    budget = {} if budget is None else {"max_prefill_tokens": budget}
+
+    def answers(steps, cancel=None):
+        monkeypatch.setattr(batching, "steps_beside", lambda tokens, rows, side: steps)
+        manager = ours.init_continuous_batching(**budget)
+        if cancel is not None:  # cancelled as its prefill is launched: its row then waits to begin decoding
+            launch = manager._launch
+
+            def launch_and_cancel(part, engine, side):
+                prefilled = launch(part, engine, side)
+                if prefilled is not None and any(sequence.request_id == cancel for sequence in part):
+                    manager.cancel_request(cancel)
+                return prefilled
+
+            manager._launch = launch_and_cancel
+        results = manager.generate_all(requests, progress_bar=False)
+        return {key: (result.status, result.generated_tokens) for key, result in results.items()}, manager.stats
+
+    at_once, stats = answers(0)
+    assert stats["prefills_beside"] > 0
+    later, _ = answers(5)
+    assert later == at_once
+    cancelled, _ = answers(5, cancel="req_5")
+    assert cancelled["req_5"][0] == RequestStatus.FAILED
+    assert {key: value for key, value in cancelled.items() if key != "req_5"} == {
+        key: value for key, value in at_once.items() if key != "req_5"}
 
 
 def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():

@@ -354,7 +354,7 @@ def test_models_and_health(server, client):
     assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # no key needed
     assert "image patches cross as uint8, normalized here" in server.log_text()
-    assert "4 rows of 1024 slots, up to 4096 prompt tokens prefilled between decode chunks" in server.log_text()
+    assert "4 rows of 1024 slots, up to 4096 prompt tokens admitted per turn" in server.log_text()
     assert "graphs of the batch captured ahead in 0.0 s" in server.log_text()  # none on the CPU
     # --api-server-count 2, each rendering in its share of the cores (what bench --server reports)
     server.wait_for_log(r"(?s)Application startup complete.*Application startup complete")
