@@ -505,11 +505,9 @@ class GraphBatchingManager:
                 if order is not None:
                     runner.reorder(order)
                     decoding = {row: sequence for row, sequence in scheduler.running.items() if sequence.decoding}
-                # A parked row's inert steps write past its prompt's end: the KV bucket covers them too.
-                length = max([sequence.length for sequence in decoding.values()]
-                             + [sequence.length + steps_past_end(steps) for sequence in scheduler.running.values()
-                                if not sequence.decoding])
-                runner.continue_rows(scheduler.active_rows(), length)
+                # Parked rows step from their prompt's end (back there every chunk), as the others from theirs.
+                runner.continue_rows(scheduler.active_rows(),
+                                     max(sequence.length for sequence in scheduler.running.values()))
                 mode = batch_mode(decoding.values())
                 chunk = chunk or _Chunk(None, {}, 0, [])
                 before = _event() if timed else None

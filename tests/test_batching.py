@@ -513,6 +513,24 @@ def test_every_setting_gives_the_same_tokens_whenever_rows_join(monkeypatch, bud
         key: value for key, value in at_once.items() if key != "req_5"}
 
 
+def test_a_prompt_that_fills_its_row_enters_beside_decoding_rows(monkeypatch):
+    """A prompt that leaves its row room for one new token (and the steps past its end) waits parked beside a decoding
+    row: the steps' cache-length bucket covers it without passing the cache's end, and both answers are `generate`'s."""
+    ours, stock = new_pair(max_batch_size=2, steps_per_sync=2, static_cache_len=96)
+    ours.generation_config.eos_token_id = None
+    fills = torch.randint(0, 200, (1, 96 - 2 * 2 - 1), generator=torch.Generator().manual_seed(1))
+    requests = [{**build(TEXT), "max_new_tokens": 60}, {**build(TEXT), "max_new_tokens": 2},
+                {"input_ids": fills, "attention_mask": torch.ones_like(fills), "max_new_tokens": 1}]
+    expected = [stock.generate(**{key: value for key, value in request.items() if key != "max_new_tokens"},
+                               max_new_tokens=request["max_new_tokens"], do_sample=False)[0, -request["max_new_tokens"]:]
+                .tolist() for request in requests]
+    monkeypatch.setattr(batching, "steps_beside", lambda tokens, rows, side: 4)
+    manager = ours.init_continuous_batching()
+    results = manager.generate_all(requests, progress_bar=False)
+    assert [result.generated_tokens for result in results.values()] == expected
+    assert manager.stats["prefills_beside"] == 1
+
+
 def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():
     """A byte-level tokenizer spends a token per UTF-8 byte: the tail decoded for a stop string of one 3-byte
     character spans its bytes, not its one character."""
