@@ -181,12 +181,13 @@ def metrics(base: str) -> dict:
 
 
 def batch_counters(before: dict, after: dict, seconds: float) -> dict:
-    """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch, the share
-    of launches beside decoding rows (the prefill and the steps then share the GPU), the steps per chunk (the tokens a stream gets at once). Per prefill launch: its GPU time (a vision tower still running
-    beside it included), the batch thread's host time issuing it (where that comes near the GPU time, the host bounds
-    admissions) and whether it ran eagerly for want of a graph. Per admitted request, how long it waited in the batch
-    for its prefill's launch, and from that launch to the batch reading its first token. Of the requests with images,
-    the share the tower encoded beside a decode chunk rather than as they entered."""
+    """What the batch did during a row: the GPU's busy fractions, prefill launches and requests per launch, the share of
+    launches beside decoding rows (the prefill and the steps then share the GPU), the steps per chunk (the tokens a
+    stream gets at once). Per prefill launch: its GPU time (a vision tower still running beside it included), the batch
+    thread's host time issuing it (where that comes near the GPU time, the host bounds admissions) and whether it ran
+    eagerly for want of a graph. Per admitted request, how long it waited in the batch for its prefill's launch, and
+    from that launch to the batch reading its first token. Of the requests with images, the share the tower encoded
+    beside a decode chunk rather than as they entered."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 

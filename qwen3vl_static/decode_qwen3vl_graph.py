@@ -129,9 +129,8 @@ class DecodeRunner(GraphRunner):
         self.eos_ids = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=device)
         self.pad_id = zeros(())
         self.unfinished = torch.ones(rows, dtype=torch.bool, device=device)
-        # Rows whose prompt is being prefilled (continuous batching, beside the steps): inert, their cache length
-        # back at the prompt's end (`park_lens`) every chunk, so their steps write only past the prompt, never over it.
-        self.parked = torch.zeros(rows, dtype=torch.bool, device=device)
+        # Per row, the end of its prompt while that is being prefilled (continuous batching, beside the steps), else
+        # 0: an inert row's cache length goes back there every chunk, so its steps write only past the prompt.
         self.park_lens = zeros(rows)
         self.steps_per_sync = steps_per_sync
         self.out_tokens = zeros(rows, steps_per_sync)
@@ -223,7 +222,7 @@ class DecodeRunner(GraphRunner):
         self.attendable.index_fill_(0, rows, True)
         self.attendable[rows, : attention_mask.shape[1]] = attention_mask.bool()
         self.unfinished.index_fill_(0, rows, True)
-        self.parked.index_fill_(0, rows, False)
+        self.park_lens.index_fill_(0, rows, 0)
 
     def park(self, rows, length: int) -> None:
         """Rows `rows` (a `(b,)` tensor) are taken by prompts of `length` slots being prefilled, maybe on another
@@ -231,21 +230,20 @@ class DecodeRunner(GraphRunner):
         steps write again before anything reads them) and attend only those, not the prompt's slots."""
         self.cache_lens.index_fill_(0, rows, length)
         self.park_lens.index_fill_(0, rows, length)
-        self.parked.index_fill_(0, rows, True)
         self.attendable.index_fill_(0, rows, True)
         self.attendable[:, :length].index_fill_(0, rows, False)
 
     def release(self, row: int) -> None:
         """Row `row` is free again (finished: inert, as `open_slots` leaves it)."""
         self.unfinished[row].fill_(False)
-        self.parked[row].fill_(False)
+        self.park_lens[row].fill_(0)
 
     def reorder(self, order: list) -> None:
         """Row i takes over everything row `order[i]` held (its request's state and its cache row): continuous
         batching moves the rows in use to the front, so that a step covers them and few others."""
         index = to_device(torch.tensor(order), self.cache_rows.device)
         penalties = self.penalties.buffers() if self.penalties is not None else ()
-        for buffer in (self.input_ids, self.cache_lens, self.cache_rows, self.attendable, self.unfinished, self.parked,
+        for buffer in (self.input_ids, self.cache_lens, self.cache_rows, self.attendable, self.unfinished,
                        self.park_lens, self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, self.draws,
                        *penalties):
             buffer.copy_(buffer.index_select(0, index))
@@ -256,10 +254,9 @@ class DecodeRunner(GraphRunner):
         """The next chunk steps the first `rows` rows, the longest of them holding `length` cache slots. Free rows go
         back to slot 0 of their own cache row first and parked rows to their prompt's end, so however long they stay
         inert they never pass their cache row's end."""
-        free = ~self.unfinished & ~self.parked
-        self.cache_lens.masked_fill_(free, 0)
-        self.cache_lens.copy_(torch.where(self.parked, self.park_lens, self.cache_lens))
-        self.positions.masked_fill_(free[None, :, None], 0)
+        inert = ~self.unfinished
+        self.cache_lens.copy_(torch.where(inert, self.park_lens, self.cache_lens))  # a free row's is 0
+        self.positions.masked_fill_(inert[None, :, None], 0)
         self.batch_size, self.length = rows, length
 
     # -- stepping ------------------------------------------------------------------------------------------
@@ -408,7 +405,7 @@ class DecodeRunner(GraphRunner):
         self.positions.zero_()
         self.attendable.fill_(True)
         self.unfinished.fill_(False)
-        self.parked.fill_(False)
+        self.park_lens.zero_()
 
     def _own_cache_rows(self) -> None:
         """Each row on its own cache row again (after continuous batching)."""

@@ -456,11 +456,11 @@ def test_a_prompt_prefilled_beside_decoding_rows_joins_them_after_the_steps_its_
 
     def checked_issue(steps, mode):
         deepest.append(int(runner.cache_lens.max()) + steps)  # the last slot a row's steps write, plus one
-        stepped.append((steps, int(runner.parked.sum())))
+        stepped.append((steps, int((runner.park_lens > 0).sum())))
         return issue(steps, mode)
 
     def recorded_reorder(order):
-        moved_parked.append(bool(runner.parked.any()))
+        moved_parked.append(bool((runner.park_lens > 0).any()))
         reorder(order)
 
     runner.issue, runner.reorder = checked_issue, recorded_reorder
