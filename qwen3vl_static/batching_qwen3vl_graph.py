@@ -21,8 +21,10 @@ A background thread owns the batch. Each turn of its loop
    5); a prompt longer than the budget is prefilled a budget per turn instead. On a GPU the prefills run on the
    model's side stream, beside the decode chunks: a request entering does not hold up the rows decoding;
 2. lets rows begin decoding (sampling settings, penalties, first token) on the batch's stream, which waits for their
-   prefill on the GPU: once the decode steps their prefill's tokens take are queued beside it (a count, so that the
-   schedule does not depend on timing), or at once when no row decodes;
+   prefill on the GPU: once the decode steps that the side stream's work up to their prefill takes are queued beside
+   it (`SideWork`: a count, so that the schedule does not depend on timing), or at once when no row decodes. While
+   the side stream has more than a chunk's steps of work queued, waiting requests stay on the host (a prefill queued
+   then would only wait behind that work) and enter together once it is nearly through;
 3. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
    `StreamingSteps`), sampling in the graph with each row's own parameters and seed (seeded modes:
    `DecodeRunner.sample`);
@@ -85,10 +87,10 @@ DEFAULT_MAX_PREFILL_TOKENS = 8192
 # Prefill budgets of prompts kept checked and waiting, their images encoded ahead: a turn admits one budget, and the
 # next one's images are encoded meanwhile.
 AHEAD_BUDGETS = 2
-# Prompt tokens a prefill beside the decode steps gets through per step, for when its rows begin decoding: a count of
-# steps, not the prefill's event as the host happens to find it, so that a batch's schedule does not depend on timing.
-# A step takes longer the more rows it has, and more runs beside it: on an H200 (2B) an 8 x 256-token prefill spans
-# about 4 steps of 64 rows (2.4 ms each) and 2 of 256 (4.9 ms).
+# Prompt tokens a prefill beside the decode steps gets through per step (`SideWork`). A step takes longer the more rows
+# it has, and more runs beside it: on an H200 (2B) an 8 x 256-token prefill spans about 4 steps of 64 rows (2.4 ms
+# each) and 2 of 256 (4.9 ms). The vision tower's features count as prompt tokens: on an H200, eight 448x448 images
+# (1,568 features) take the tower 9.1 ms, eight 256-token prompts the prefill 9.4 ms.
 PREFILL_TOKENS_PER_STEP = 336
 PREFILL_TOKENS_PER_STEP_ROW = 3
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -214,13 +216,40 @@ class _Prefilled:
     attention_mask: torch.Tensor  # `(b, length)`, on the host: zeros for the left padding
     next_positions: torch.Tensor  # their first tokens' M-RoPE positions `(3, b)`, on the host
     done: object = None  # the CUDA event after the prefill (None: the CPU's one stream, done)
-    steps_left: int = 0  # decode steps to queue beside it before its rows begin decoding
+    steps_left: int = 0  # decode steps to queue beside it before its rows begin decoding (`SideWork.steps`)
 
 
-def steps_beside(tokens: int, rows: int, side) -> int:
-    """Decode steps of about `rows` rows that a prefill of `tokens` prompt tokens queued on `side` (None: the CPU's one
-    stream, where it is done once queued) runs beside before its rows begin decoding."""
-    return 0 if side is None else math.ceil(tokens / (PREFILL_TOKENS_PER_STEP + PREFILL_TOKENS_PER_STEP_ROW * rows))
+def prefill_tokens_per_step(rows: int, side) -> float:
+    """Prompt tokens the `side` stream gets through per decode step of `rows` rows queued beside it; unbounded on the
+    CPU's one stream (None), where work is done once queued."""
+    return math.inf if side is None else PREFILL_TOKENS_PER_STEP + PREFILL_TOKENS_PER_STEP_ROW * rows
+
+
+class SideWork:
+    """The work queued on the model's `side` stream (prefills; the vision tower, a feature counted as a prompt token)
+    that the decode steps queued beside it have not yet covered, in prompt tokens: when the side stream is through it,
+    counted in decode steps rather than found by the host, so that a batch's schedule does not depend on timing. The
+    stream runs its work in order: a prefill is through once everything queued before it is, so it counts from there.
+    """
+
+    def __init__(self, side):
+        self.side, self.tokens = side, 0.0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def steps(self, rows: int) -> int:
+        """Decode steps of `rows` rows until the side stream is through what is queued on it now."""
+        return math.ceil(self.tokens / prefill_tokens_per_step(rows, self.side))
+
+    def stepped(self, steps: int, rows: int) -> None:
+        """`steps` decode steps of `rows` rows were queued beside the work."""
+        if steps:
+            self.tokens = max(0.0, self.tokens - steps * prefill_tokens_per_step(rows, self.side))
+
+    def waited(self) -> None:
+        """The batch's stream waits for all of it on the GPU."""
+        self.tokens = 0.0
 
 
 class GraphBatchingManager:
@@ -261,6 +290,7 @@ class GraphBatchingManager:
                                     "admitted", "admission_wait_ms", "first_token_ms", "encoded_ahead",
                                     "encoded_at_admission"), 0)
         self._prefill_events = deque()  # (before, after) CUDA events of prefills whose GPU time is not counted yet
+        self._side_work = SideWork(None)  # the batch's (`_loop`)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -471,18 +501,25 @@ class GraphBatchingManager:
         in_flight, streaming_steps = deque(), StreamingSteps(runner.steps_per_sync)
         timed = engine.device.type == "cuda"
         side = engine.capturer.side_stream() if timed else None  # where prefills run, beside the decode chunks
+        side_work = self._side_work = SideWork(side)
         prefilled = []  # `_Prefilled` prompts whose rows do not decode yet
+        steps = runner.steps_per_sync  # of the last chunk queued
         while True:
             if not (scheduler.has_work() or in_flight):
                 self._take_in(scheduler, engine, wait=True)
             # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter, while rows are
             # in use only once their images are encoded (ahead, beside a chunk): no prefill waits for the tower.
+            # While rows decode and the side stream has more than a chunk of work queued, nothing enters: a prefill
+            # would only wait behind that work, and the requests that arrive meanwhile enter with it, in fewer and
+            # larger prefills.
             prefilling = [sequence for sequence in scheduler.running.values() if sequence.prefilling]
             busy = len(prefilling) < len(scheduler.running)
-            entered = prefilling[:1] or scheduler.schedule(_encoded if busy else None)
+            decoding_rows = any(sequence.decoding for sequence in scheduler.running.values())
+            entered = []
+            if not decoding_rows or side_work.steps(runner.batch_size) <= steps:
+                entered = prefilling[:1] or scheduler.schedule(_encoded if busy else None)
             gpu_idle = in_flight[-1].finished() if in_flight else None  # before this turn queues anything
             behind = None if gpu_idle is None else gpu_idle or self._clients_behind
-            decoding_rows = any(sequence.decoding for sequence in scheduler.running.values())
             if entered:
                 began, eager = time.perf_counter(), engine.prefill.eager_runs
                 launched = self._enter(entered, engine, scheduler, side)
@@ -497,6 +534,8 @@ class GraphBatchingManager:
             if ready:
                 prefilled = [part for part in prefilled if part not in ready]
                 chunk = _Chunk(None, {}, 0, *self._activate(ready, engine))
+                if not (decoding_rows or any(sequence.prefilling for sequence in scheduler.running.values())):
+                    side_work.waited()  # the batch's stream waits for the last work queued on the side stream
             decoding = {row: sequence for row, sequence in scheduler.running.items() if sequence.decoding}
             streams = any(sequence.streaming for sequence in decoding.values())
             steps = streaming_steps.next(behind) if streams else runner.steps_per_sync
@@ -516,6 +555,7 @@ class GraphBatchingManager:
                     sequence.length += steps
                 for part in prefilled:
                     part.steps_left -= steps
+                side_work.stepped(steps, runner.batch_size)
                 if timed:
                     chunk.events = (before, _event())
                     chunk.done = chunk.events[-1]
@@ -627,6 +667,7 @@ class GraphBatchingManager:
             for share, piece, *layers in zip(shares, features.split(sizes), *(layer.split(sizes) for layer in deepstack)):
                 if piece.shape[0]:
                     share.append((kind, token, piece, layers))
+            self._side_work.add(sum(sizes))
         for sequence, share in zip(sequences, shares):
             sequence.media, sequence.media_done = share, done
             for key in PIXELS:
@@ -845,6 +886,7 @@ class GraphBatchingManager:
                           "position_ids": to_device(first.positions[..., :length], device)}
                 logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, start, rows=cache_rows, padded=False,
                                                   media=self._media_between(first, start, length, engine))
+                self._side_work.add(length - start)
                 first.prefilled = length
                 if not first.prefilling:
                     first.media = None
@@ -859,6 +901,7 @@ class GraphBatchingManager:
                 inputs["position_ids"] = to_device(positions, device)
                 logits, _ = model._prefill_prompt(inputs["input_ids"], inputs, 0, rows=cache_rows, padded=padded,
                                                   media=media)
+                self._side_work.add(len(part) * length)
                 for sequence in part:
                     sequence.prefilled, sequence.media = sequence.prompt_len, None
             after = _event() if side is not None else None
@@ -870,8 +913,7 @@ class GraphBatchingManager:
             for key in JOINED_INPUTS:  # in its row now: the device memory of its pixels goes back
                 sequence.prompt.pop(key, None)
         next_positions = torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1)
-        return _Prefilled(part, logits, mask, next_positions, after,
-                          steps_beside(len(part) * length, runner.batch_size, side))
+        return _Prefilled(part, logits, mask, next_positions, after, self._side_work.steps(runner.batch_size))
 
     def _activate(self, ready: list, engine) -> tuple:
         """The rows of the `ready` prefills begin decoding, on the batch's stream (which waits for the prefills on the

@@ -4,6 +4,8 @@ under a prefill token budget while running rows keep decoding, and rows finishin
 per request (a seeded sampled request draws the same tokens alone or among others); streaming, cancelling, stop
 strings; a bad request fails alone; cache rows sized from (fake) GPU memory; the model stays usable afterwards."""
 
+import math
+
 import pytest
 import torch
 from conftest import bucketed_pair, build, chat, image, new_pair
@@ -449,7 +451,7 @@ def test_a_prompt_prefilled_beside_decoding_rows_joins_them_after_the_steps_its_
     capacity = ours.graph_engine().cache.capacity
     requests, expected = requests_and_expected(stock, 5, lengths=[70, 20, 2, 2, 8],
                                                cases=[TEXT, CASES[0], CASES[1], CASES[1], CASES[3]])
-    monkeypatch.setattr(batching, "steps_beside", lambda tokens, rows, side: 60)
+    monkeypatch.setattr(batching, "prefill_tokens_per_step", lambda rows, side: 2 / 3)  # 40 tokens: 60 steps
     ours.generation_config.eos_token_id = None  # the long answer runs its length, as `generate`'s reference did
     runner = ours.graph_engine().decode
     issue, reorder, moved_parked, deepest, stepped = runner.issue, runner.reorder, [], [], []
@@ -479,7 +481,8 @@ def test_every_setting_gives_the_same_tokens_whenever_rows_join(monkeypatch, bud
     """Greedy, seeded sampled and penalized requests over 4 rows, with long prompts entering in chunks (`chunked`):
     each gets the same tokens whether the rows that enter while others decode begin decoding in the turn they enter
     (the CPU's) or 5 steps later, parked meanwhile (a prefill beside the decode steps); a request cancelled while its
-    row waits to begin ends cancelled, and the others are unaffected."""
+    row waits to begin ends cancelled, and the others are unaffected. (Later, the side stream's work also holds the
+    waiting requests back while it is more than a chunk.)"""
     ours, _ = new_pair(steps_per_sync=2)
     settings = [{}, {"temperature": 1.3, "seed": 7}, {"repetition_penalty": 1.4}, {"top_k": 5, "seed": 2},
                 {"presence_penalty": 1.0, "frequency_penalty": 0.5}, {}, {"temperature": 0.8, "top_p": 0.9, "seed": 9}]
@@ -487,8 +490,8 @@ def test_every_setting_gives_the_same_tokens_whenever_rows_join(monkeypatch, bud
                 for index, own in enumerate(settings)]
     budget = {} if budget is None else {"max_prefill_tokens": budget}
 
-    def answers(steps, cancel=None):
-        monkeypatch.setattr(batching, "steps_beside", lambda tokens, rows, side: steps)
+    def answers(tokens_per_step, cancel=None):
+        monkeypatch.setattr(batching, "prefill_tokens_per_step", lambda rows, side: tokens_per_step)
         manager = ours.init_continuous_batching(**budget)
         if cancel is not None:  # cancelled as its prefill is launched: its row then waits to begin decoding
             launch = manager._launch
@@ -503,11 +506,11 @@ def test_every_setting_gives_the_same_tokens_whenever_rows_join(monkeypatch, bud
         results = manager.generate_all(requests, progress_bar=False)
         return {key: (result.status, result.generated_tokens) for key, result in results.items()}, manager.stats
 
-    at_once, stats = answers(0)
+    at_once, stats = answers(math.inf)
     assert stats["prefills_beside"] > 0
-    later, _ = answers(5)
+    later, _ = answers(8)  # 3-5 steps for these prompts
     assert later == at_once
-    cancelled, _ = answers(5, cancel="req_5")
+    cancelled, _ = answers(8, cancel="req_5")
     assert cancelled["req_5"][0] == RequestStatus.FAILED
     assert {key: value for key, value in cancelled.items() if key != "req_5"} == {
         key: value for key, value in at_once.items() if key != "req_5"}
@@ -524,11 +527,46 @@ def test_a_prompt_that_fills_its_row_enters_beside_decoding_rows(monkeypatch):
     expected = [stock.generate(**{key: value for key, value in request.items() if key != "max_new_tokens"},
                                max_new_tokens=request["max_new_tokens"], do_sample=False)[0, -request["max_new_tokens"]:]
                 .tolist() for request in requests]
-    monkeypatch.setattr(batching, "steps_beside", lambda tokens, rows, side: 4)
+    monkeypatch.setattr(batching, "prefill_tokens_per_step", lambda rows, side: 23)  # 91 tokens: 4 steps
     manager = ours.init_continuous_batching()
     results = manager.generate_all(requests, progress_bar=False)
     assert [result.generated_tokens for result in results.values()] == expected
     assert manager.stats["prefills_beside"] == 1
+
+
+def test_prefills_beside_decoding_rows_count_from_the_side_streams_work_before_them(monkeypatch):
+    """The side stream runs its work in order: a prefill queued behind another is through only after it, so its rows
+    begin decoding after the steps of both; and while more than a chunk's steps of work are queued there, waiting
+    requests stay on the host (they would only wait behind it) and enter together once it is nearly through. Here
+    the side stream gets through 4 prompt tokens a step (chunks of 2 steps): each request waits for its turn, and every
+    answer still equals `generate`'s."""
+    ours, stock = new_pair(max_batch_size=4, steps_per_sync=2)
+    requests, expected = requests_and_expected(stock, 4, lengths=[40, 4, 4, 4], cases=[TEXT])
+    monkeypatch.setattr(batching, "prefill_tokens_per_step", lambda rows, side: 4)
+    manager = ours.init_continuous_batching(max_prefill_tokens=21)  # a 21-token prompt per admission
+    runner = ours.graph_engine().decode
+    launches, steps, launch, issue = [], [0], manager._launch, runner.issue
+
+    def recorded_launch(part, engine, side):
+        queued = manager._side_work.tokens
+        prefilled = launch(part, engine, side)
+        launches.append((queued, prefilled.steps_left, steps[0], part[0].prompt_len))
+        return prefilled
+
+    def counted_issue(count, mode):
+        steps[0] += count
+        return issue(count, mode)
+
+    manager._launch, runner.issue = recorded_launch, counted_issue
+    results = manager.generate_all(requests, progress_bar=False)
+    assert [result.generated_tokens for result in results.values()] == expected
+    beside = launches[1:]  # the first enters with no row decoding
+    assert len(beside) == 3 and manager.stats["prefills_beside"] == 3
+    for queued, steps_left, _, tokens in beside:
+        assert queued <= 2 * 4  # at most a chunk's steps of work were still queued when it entered
+        assert steps_left == math.ceil((queued + tokens) / 4)  # it counts from the work queued before it
+    assert any(queued > 0 for queued, *_ in beside)  # it entered behind another's work ...
+    assert all(later[2] - earlier[2] >= 2 * 2 for earlier, later in zip(beside, beside[1:]))  # ... held back meanwhile
 
 
 def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():
