@@ -536,9 +536,9 @@ def test_a_prompt_that_fills_its_row_enters_beside_decoding_rows(monkeypatch):
 
 def test_prefills_beside_decoding_rows_count_from_the_side_streams_work_before_them(monkeypatch):
     """The side stream runs its work in order: a prefill queued behind another is through only after it, so its rows
-    begin decoding after the steps of both; and while more than a chunk's steps of work are queued there, waiting
-    requests stay on the host (they would only wait behind it) and enter together once it is nearly through. Here
-    the side stream gets through 4 prompt tokens a step (chunks of 2 steps): each request waits for its turn, and every
+    begin decoding after the steps of both; and while a prefill has more than a chunk's steps to go, waiting requests
+    stay on the host (their prefill would only wait behind it). Here the side stream gets through 4 prompt tokens a
+    step (chunks of 2 steps) and a 21-token prompt enters per admission: each request waits for its turn, and every
     answer still equals `generate`'s."""
     ours, stock = new_pair(max_batch_size=4, steps_per_sync=2)
     requests, expected = requests_and_expected(stock, 4, lengths=[40, 4, 4, 4], cases=[TEXT])
@@ -563,7 +563,7 @@ def test_prefills_beside_decoding_rows_count_from_the_side_streams_work_before_t
     beside = launches[1:]  # the first enters with no row decoding
     assert len(beside) == 3 and manager.stats["prefills_beside"] == 3
     for queued, steps_left, _, tokens in beside:
-        assert queued <= 2 * 4  # at most a chunk's steps of work were still queued when it entered
+        assert queued <= 2 * 4  # at most a chunk's steps of the prefill before it were left when it entered
         assert steps_left == math.ceil((queued + tokens) / 4)  # it counts from the work queued before it
     assert any(queued > 0 for queued, *_ in beside)  # it entered behind another's work ...
     assert all(later[2] - earlier[2] >= 2 * 2 for earlier, later in zip(beside, beside[1:]))  # ... held back meanwhile
