@@ -89,10 +89,12 @@ DEFAULT_MAX_PREFILL_TOKENS = 8192
 AHEAD_BUDGETS = 2
 # Prompt tokens a prefill beside the decode steps gets through per step (`SideWork`). A step takes longer the more rows
 # it has, and more runs beside it: on an H200 (2B) an 8 x 256-token prefill spans about 4 steps of 64 rows (2.4 ms
-# each) and 2 of 256 (4.9 ms). The vision tower's features count as prompt tokens: on an H200, eight 448x448 images
-# (1,568 features) take the tower 9.1 ms, eight 256-token prompts the prefill 9.4 ms.
+# each) and 2 of 256 (4.9 ms).
 PREFILL_TOKENS_PER_STEP = 336
 PREFILL_TOKENS_PER_STEP_ROW = 3
+# The vision tower's work in prompt tokens per feature it makes: on an H200 eight 448x448 images (1,568 features) take
+# the tower 9.07 ms, eight 256-token prompts the prefill 9.40 ms.
+TOWER_TOKENS_PER_FEATURE = 1.25
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 MAX_SLOTS = 512  # past this many rows a step's KV reads grow with the rows and tokens/s no longer does
 
@@ -226,7 +228,7 @@ def prefill_tokens_per_step(rows: int, side) -> float:
 
 
 class SideWork:
-    """The work queued on the model's `side` stream (prefills; the vision tower, a feature counted as a prompt token)
+    """The work queued on the model's `side` stream (prefills; the vision tower, `TOWER_TOKENS_PER_FEATURE` a feature)
     that the decode steps queued beside it have not yet covered, in prompt tokens: when the side stream is through it,
     counted in decode steps rather than found by the host, so that a batch's schedule does not depend on timing. The
     stream runs its work in order: a prefill is through once everything queued before it is, so it counts from there.
@@ -235,7 +237,7 @@ class SideWork:
     def __init__(self, side):
         self.side, self.tokens = side, 0.0
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: float) -> None:
         self.tokens += tokens
 
     def steps(self, rows: int) -> int:
@@ -667,7 +669,7 @@ class GraphBatchingManager:
             for share, piece, *layers in zip(shares, features.split(sizes), *(layer.split(sizes) for layer in deepstack)):
                 if piece.shape[0]:
                     share.append((kind, token, piece, layers))
-            self._side_work.add(sum(sizes))
+            self._side_work.add(TOWER_TOKENS_PER_FEATURE * sum(sizes))
         for sequence, share in zip(sequences, shares):
             sequence.media, sequence.media_done = share, done
             for key in PIXELS:
