@@ -22,9 +22,7 @@ A background thread owns the batch. Each turn of its loop
    model's side stream, beside the decode chunks: a request entering does not hold up the rows decoding;
 2. lets rows begin decoding (sampling settings, penalties, first token) on the batch's stream, which waits for their
    prefill on the GPU: once the decode steps that the side stream's work up to their prefill takes are queued beside
-   it (`SideWork`: a count, so that the schedule does not depend on timing), or at once when no row decodes. While a
-   prefill has more than a chunk's steps to go, waiting requests stay on the host (a prefill queued then would only
-   wait behind it) and enter together once it is nearly through;
+   it (`SideWork`: a count, so that the schedule does not depend on timing), or at once when no row decodes;
 3. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
    `StreamingSteps`), sampling in the graph with each row's own parameters and seed (seeded modes:
    `DecodeRunner.sample`);
@@ -505,21 +503,15 @@ class GraphBatchingManager:
         side = engine.capturer.side_stream() if timed else None  # where prefills run, beside the decode chunks
         side_work = self._side_work = SideWork(side)
         prefilled = []  # `_Prefilled` prompts whose rows do not decode yet
-        steps = runner.steps_per_sync  # of the last chunk queued
         while True:
             if not (scheduler.has_work() or in_flight):
                 self._take_in(scheduler, engine, wait=True)
             # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter, while rows are
             # in use only once their images are encoded (ahead, beside a chunk): no prefill waits for the tower.
-            # While a prefill beside decoding rows has more than a chunk's steps to go, nothing new enters: its prefill
-            # would only wait behind that one, and the requests that arrive meanwhile enter with it, in fewer and
-            # larger prefills.
             prefilling = [sequence for sequence in scheduler.running.values() if sequence.prefilling]
             busy = len(prefilling) < len(scheduler.running)
+            entered = prefilling[:1] or scheduler.schedule(_encoded if busy else None)
             decoding_rows = any(sequence.decoding for sequence in scheduler.running.values())
-            entered = prefilling[:1]
-            if not entered and all(part.steps_left <= steps for part in prefilled):
-                entered = scheduler.schedule(_encoded if busy else None)
             gpu_idle = in_flight[-1].finished() if in_flight else None  # before this turn queues anything
             behind = None if gpu_idle is None else gpu_idle or self._clients_behind
             if entered:
