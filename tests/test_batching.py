@@ -558,7 +558,8 @@ def test_prefills_beside_decoding_rows_count_from_the_side_streams_work_before_t
     assert len(beside) == 3 and manager.stats["prefills_beside"] == 3
     for queued, steps_left, tokens in beside:
         assert steps_left == math.ceil((queued + tokens) / 4)  # it counts from the work queued before it
-    assert all(queued > 0 for queued, *_ in beside[1:])  # each entered behind the one before
+    assert beside[0][0] == 0  # the first prefill's rows began at once (no row decoded): the batch waited for it
+    assert all(queued > 0 for queued, *_ in beside[1:])  # each later one entered behind the one before
 
 
 def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():
