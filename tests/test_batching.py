@@ -562,6 +562,30 @@ def test_prefills_beside_decoding_rows_count_from_the_side_streams_work_before_t
     assert all(queued > 0 for queued, *_ in beside[1:])  # each later one entered behind the one before
 
 
+def test_an_image_prefill_beside_decoding_rows_counts_its_towers_work_before_it(monkeypatch):
+    """The side stream runs an image request's tower (encoded ahead, beside a chunk) before its prefill, so its rows
+    begin decoding after the steps of both: its features count `TOWER_TOKENS_PER_FEATURE` prompt tokens each."""
+    ours, stock = new_pair(steps_per_sync=2)
+    requests, expected = requests_and_expected(stock, 2, lengths=[40, 5], cases=[TEXT, CASES[0]])
+    monkeypatch.setattr(batching, "prefill_tokens_per_step", lambda rows, side: 4)
+    manager = ours.init_continuous_batching(max_prefill_tokens=36)  # the text prompt enters first, alone
+    launches, launch = [], manager._launch
+
+    def recorded_launch(part, engine, side):
+        queued = manager._side_work.tokens
+        prefilled = launch(part, engine, side)
+        launches.append((queued, prefilled.steps_left))
+        return prefilled
+
+    manager._launch = recorded_launch
+    results = manager.generate_all(requests, progress_bar=False)
+    assert [result.generated_tokens for result in results.values()] == expected
+    features = int((requests[1]["input_ids"] == ours.config.image_token_id).sum())
+    assert manager.stats["encoded_ahead"] == 1 and manager.stats["prefills_beside"] == 1
+    tower = batching.TOWER_TOKENS_PER_FEATURE * features
+    assert launches[1] == (tower, math.ceil((tower + requests[1]["input_ids"].shape[1]) / 4))
+
+
 def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():
     """A byte-level tokenizer spends a token per UTF-8 byte: the tail decoded for a stop string of one 3-byte
     character spans its bytes, not its one character."""
