@@ -86,9 +86,12 @@ DEFAULT_MAX_PREFILL_TOKENS = 8192
 # next one's images are encoded meanwhile.
 AHEAD_BUDGETS = 2
 # Prompt tokens a prefill beside the decode steps gets through per step (`SideWork`). A step takes longer the more rows
-# it has, and more runs beside it: on an H200 (2B) an 8 x 256-token prefill spans about 4 steps of 64 rows (2.4 ms
-# each) and 2 of 256 (4.9 ms).
-PREFILL_TOKENS_PER_STEP = 336
+# it has, and more runs beside it. On an H200 (2B): at 64 server clients prefills of 5.7 image prompts (1,460 tokens
+# padded) took 10.0 ms beside steps of about 64 rows and 2.8 ms, about 400 tokens a step; alone with the steps, an
+# 8 x 256-token prefill spans about 4 steps of 64 rows (2.4 ms each) and 2 of 256 (4.9 ms). The lower figure is taken:
+# a row that begins early stops the decoding rows until its prefill is through, one that begins a step late only
+# waits that step.
+PREFILL_TOKENS_PER_STEP = 200
 PREFILL_TOKENS_PER_STEP_ROW = 3
 # The vision tower's work in prompt tokens per feature it makes: on an H200 eight 448x448 images (1,568 features) take
 # the tower 9.07 ms, eight 256-token prompts the prefill 9.40 ms.
