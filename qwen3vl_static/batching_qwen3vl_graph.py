@@ -282,17 +282,18 @@ class GraphBatchingManager:
         self._stopping = threading.Event()
         self._thread = None
         self.error = None  # what ended the batch itself, if anything did
-        # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, host ms waiting for the GPU and
-        # issuing admissions, decode steps, row-steps queued (rows covered x steps) and of them held by a request,
-        # prefill launches (of them run eagerly for want of a graph, and launched while rows decoded: beside them)
-        # and the requests they admitted, the ms the admitted requests waited from `add_request` to their prefill's
-        # launch and from it to the host reading their first token (any device), requests with images encoded ahead
-        # (beside a chunk) and at their admission.
-        self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "host_wait_ms", "admit_host_ms", "chunks", "steps",
-                                    "row_steps", "request_steps", "prefills", "eager_prefills", "prefills_beside",
-                                    "admitted", "admission_wait_ms", "first_token_ms", "encoded_ahead",
-                                    "encoded_at_admission"), 0)
-        self._prefill_events = deque()  # (before, after) CUDA events of prefills whose GPU time is not counted yet
+        # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, GPU ms that decoding rows waited for
+        # prefills as their rows began decoding (their count of steps beside them ran out first), host ms waiting for
+        # the GPU and issuing admissions, decode steps, row-steps queued (rows covered x steps) and of them held by a
+        # request, prefill launches (of them run eagerly for want of a graph, and launched while rows decoded: beside
+        # them) and the requests they admitted, the ms the admitted requests waited from `add_request` to their
+        # prefill's launch and from it to the host reading their first token (any device), requests with images encoded
+        # ahead (beside a chunk) and at their admission.
+        self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "activation_wait_ms", "host_wait_ms", "admit_host_ms",
+                                    "chunks", "steps", "row_steps", "request_steps", "prefills", "eager_prefills",
+                                    "prefills_beside", "admitted", "admission_wait_ms", "first_token_ms",
+                                    "encoded_ahead", "encoded_at_admission"), 0)
+        self._spans = deque()  # (stat, CUDA event before, after) of GPU time not counted in `stats` yet
         self._side_work = SideWork(None)  # the batch's (`_loop`)
 
     # -- transformers' manager API --------------------------------------------------------------------------
@@ -530,7 +531,7 @@ class GraphBatchingManager:
             chunk = None
             if ready:
                 prefilled = [part for part in prefilled if part not in ready]
-                chunk = _Chunk(None, {}, 0, *self._activate(ready, engine))
+                chunk = _Chunk(None, {}, 0, *self._activate(ready, engine, decoding_rows))
                 if not (decoding_rows or any(sequence.prefilling for sequence in scheduler.running.values())):
                     side_work.waited()  # the batch's stream waits for the last work queued on the side stream
             decoding = {row: sequence for row, sequence in scheduler.running.items() if sequence.decoding}
@@ -903,7 +904,7 @@ class GraphBatchingManager:
                     sequence.prefilled, sequence.media = sequence.prompt_len, None
             after = _event() if side is not None else None
         if side is not None:
-            self._prefill_events.append((before, after))
+            self._spans.append(("prefill_ms", before, after))
         if first.prefilling:
             return None
         for sequence in part:
@@ -912,17 +913,19 @@ class GraphBatchingManager:
         next_positions = torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1)
         return _Prefilled(part, logits, mask, next_positions, after, self._side_work.steps(runner.batch_size))
 
-    def _activate(self, ready: list, engine) -> tuple:
+    def _activate(self, ready: list, engine, beside: bool) -> tuple:
         """The rows of the `ready` prefills begin decoding, on the batch's stream (which waits for the prefills on the
-        GPU): their sampling settings, penalties and first tokens. Returns (their sequences, their first tokens on
-        their way to the host)."""
+        GPU; `beside` decoding rows, which wait too: timed): their sampling settings, penalties and first tokens.
+        Returns (their sequences, their first tokens on their way to the host)."""
         runner, device = engine.decode, engine.device
         sequences, tokens = [], []
         for prefilled in ready:
             part, logits = prefilled.part, prefilled.logits
             if prefilled.done is not None:
-                stream = torch.cuda.current_stream()
+                stream, before = torch.cuda.current_stream(), _event() if beside else None
                 stream.wait_event(prefilled.done)
+                if beside:
+                    self._spans.append(("activation_wait_ms", before, _event()))
                 logits.record_stream(stream)  # made on the side stream, read on this one
             rows = to_device(torch.tensor([sequence.row for sequence in part]), device)  # compaction may move rows
             settings = {name: to_device(torch.tensor([sequence.sampling[name] for sequence in part]), device)
@@ -992,9 +995,9 @@ class GraphBatchingManager:
         self._clients_behind = not all(delivery.taken for delivery in self._handed)  # they had a chunk's time
         if chunk.events:
             self.stats["decode_ms"] += chunk.events[0].elapsed_time(chunk.events[1])
-        while self._prefill_events and self._prefill_events[0][1].query():  # the prefills done by now
-            before, after = self._prefill_events.popleft()
-            self.stats["prefill_ms"] += before.elapsed_time(after)
+        while self._spans and self._spans[0][2].query():  # the prefills and waits done by now
+            stat, before, after = self._spans.popleft()
+            self.stats[stat] += before.elapsed_time(after)
         if chunk.handle is not None:
             tokens = tokens.tolist()
             for row, sequence in chunk.owners.items():

@@ -186,8 +186,9 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     stream gets at once). Per prefill launch: its GPU time (a vision tower still running beside it included), the batch
     thread's host time issuing it (where that comes near the GPU time, the host bounds admissions) and whether it ran
     eagerly for want of a graph. Per admitted request, how long it waited in the batch for its prefill's launch, and
-    from that launch to the batch reading its first token. Of the requests with images, the share the tower encoded
-    beside a decode chunk rather than as they entered."""
+    from that launch to the batch reading its first token. The GPU time decoding rows waited for a prefill beside them,
+    per launch (its rows' count of steps ran out before it was through). Of the requests with images, the share the
+    tower encoded beside a decode chunk rather than as they entered."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
@@ -204,6 +205,7 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "first_token_read_ms_mean": 1000 * grown("first_token_read_seconds_total")
             / max(grown("admitted_requests_total"), 1),
             "prefill_beside_share": grown("prefills_beside_total") / max(prefills, 1),
+            "activation_wait_ms_per_prefill": 1000 * grown("gpu_activation_wait_seconds_total") / max(prefills, 1),
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),
             "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds,
