@@ -188,7 +188,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     eagerly for want of a graph. Per admitted request, how long it waited in the batch for its prefill's launch, and
     from that launch to the batch reading its first token. The GPU time decoding rows waited for a prefill beside them,
     per launch (its rows' count of steps ran out before it was through). Of the requests with images, the share the
-    tower encoded beside a decode chunk rather than as they entered."""
+    tower encoded beside a decode chunk rather than as they entered. Per admitted request, the engine process's time
+    normalizing its image patches (one request after another, as they come in)."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
@@ -209,6 +210,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),
             "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds,
+            "engine_normalize_ms_per_request": 1000 * grown("engine_normalize_seconds_total")
+            / max(grown("admitted_requests_total"), 1),
             "encoded_ahead_share": ahead / max(ahead + grown("requests_encoded_at_admission_total"), 1)}
 
 

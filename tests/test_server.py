@@ -412,6 +412,7 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     assert counters["admit_host_ms_mean"] > 0 and counters["prefill_gpu_ms_mean"] == counters["eager_prefill_share"] == 0
     assert 1 <= counters["steps_per_chunk"] <= 8
     assert 0 <= counters["encoded_ahead_share"] <= 1
+    assert counters["engine_normalize_ms_per_request"] > 0  # their images' patches crossed as uint8
     # Each request's log says how long the engine took to send its first token back (the benchmark's TTFT split).
     assert len(re.findall(r"first token back from the engine [0-9.]+ ms after", server.log_text()[seen:])) == 4
     for answer, body in zip(answers, bodies):
