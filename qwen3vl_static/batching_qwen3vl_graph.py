@@ -14,23 +14,26 @@
 """Continuous batching on the graph engine: many requests share the static cache's rows, each with its own settings.
 
 A background thread owns the batch. Each turn of its loop
-1. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget), parks
-   their rows (`DecodeRunner.park`: inert, stepping only past the prompt) and queues their prefill directly through
-   the engine's prefill runner (no `generate` call: its host work would cost more than the prefill), several prompts
-   per launch, padded on the left within groups of one kind, from their images' features (most encoded ahead, step
-   5); a prompt longer than the budget is prefilled a budget per turn instead. On a GPU the prefills run on the
-   model's side stream, beside the decode chunks: a request entering does not hold up the rows decoding;
+1. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget) and parks
+   their rows (`DecodeRunner.park`: inert, stepping only past the prompt);
 2. lets rows begin decoding (sampling settings, penalties, first token) on the batch's stream, which waits for their
    prefill on the GPU: once the decode steps that the side stream's work up to their prefill takes are queued beside
-   it (`SideWork`: a count, so that the schedule does not depend on timing), or at once when no row decodes;
+   it (`SideWork`: a count, so that the schedule does not depend on timing), or at once (the next turn) when no row
+   decodes;
 3. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
    `StreamingSteps`), sampling in the graph with each row's own parameters and seed (seeded modes:
    `DecodeRunner.sample`);
-4. takes new requests in while the GPU runs that chunk (`_prepare`, on the host: inputs checked, settings resolved,
+4. queues the prefills of the rows parked in step 1 directly through the engine's prefill runner (no `generate`
+   call: its host work would cost more than the prefill), several prompts per launch, padded on the left within
+   groups of one kind, from their images' features (most encoded ahead, step 6); a prompt longer than the budget is
+   prefilled a budget per turn instead. On a GPU they run on the model's side stream, after the parking only, beside
+   the chunk just queued (which the GPU runs while the host issues them) and the ones after it: a request entering
+   does not hold up the rows decoding;
+5. takes new requests in while the GPU runs that chunk (`_prepare`, on the host: inputs checked, settings resolved,
    M-RoPE positions computed; a bad request fails alone here, before anything is written), as many as keep two
    prefill budgets waiting, and cancellations (an idle batch takes them in first, waiting for them);
-5. runs the vision tower over the images of the requests next in line, on the side stream beside that chunk;
-6. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
+6. runs the vision tower over the images of the requests next in line, on the side stream beside that chunk;
+7. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
    request by its own rules (EOS ids, max_new_tokens, stop strings, cancellation) and streams tokens.
 No graph is captured per request: decode graphs are keyed by (batch bucket, KV bucket, mode), and the row is data.
 The prefill graphs have a memory pool, capture stream and kernel counters of their own (`GraphEngine`), as two
@@ -219,7 +222,7 @@ class _Prefilled:
     attention_mask: torch.Tensor  # `(b, length)`, on the host: zeros for the left padding
     next_positions: torch.Tensor  # their first tokens' M-RoPE positions `(3, b)`, on the host
     done: object = None  # the CUDA event after the prefill (None: the CPU's one stream, done)
-    steps_left: int = 0  # decode steps to queue beside it before its rows begin decoding (`SideWork.steps`)
+    mark: float = 0.0  # the side stream's work up to and with it (`SideWork.add`): through once that is covered
 
 
 def prefill_tokens_per_step(rows: int, side) -> float:
@@ -232,27 +235,39 @@ class SideWork:
     """The work queued on the model's `side` stream (prefills; the vision tower, `TOWER_TOKENS_PER_FEATURE` a feature)
     that the decode steps queued beside it have not yet covered, in prompt tokens: when the side stream is through it,
     counted in decode steps rather than found by the host, so that a batch's schedule does not depend on timing. The
-    stream runs its work in order: a prefill is through once everything queued before it is, so it counts from there.
+    stream runs its work in order: a prefill is through once everything queued before it is, so it counts from there
+    (its `mark`: the work queued up to and with it). Decode steps cover work queued before them or beside them, never
+    ahead of it (an idle side stream banks nothing).
     """
 
     def __init__(self, side):
-        self.side, self.tokens = side, 0.0
+        self.side, self.queued, self.covered = side, 0.0, 0.0
 
-    def add(self, tokens: float) -> None:
-        self.tokens += tokens
+    @property
+    def tokens(self) -> float:
+        """The work queued and not covered yet."""
+        return self.queued - self.covered
 
-    def steps(self, rows: int) -> int:
-        """Decode steps of `rows` rows until the side stream is through what is queued on it now."""
-        return math.ceil(self.tokens / prefill_tokens_per_step(rows, self.side))
+    def add(self, tokens: float) -> float:
+        """Work queued now; returns its mark."""
+        self.queued += tokens
+        return self.queued
+
+    def through(self, mark: float) -> bool:
+        return self.covered >= mark
+
+    def steps(self, mark: float, rows: int) -> int:
+        """Decode steps of `rows` rows until the side stream is through the work up to `mark`."""
+        return math.ceil(max(0.0, mark - self.covered) / prefill_tokens_per_step(rows, self.side))
 
     def stepped(self, steps: int, rows: int) -> None:
-        """`steps` decode steps of `rows` rows were queued beside the work."""
+        """`steps` decode steps of `rows` rows were queued beside the work queued so far."""
         if steps:
-            self.tokens = max(0.0, self.tokens - steps * prefill_tokens_per_step(rows, self.side))
+            self.covered = min(self.queued, self.covered + steps * prefill_tokens_per_step(rows, self.side))
 
-    def waited(self) -> None:
-        """The batch's stream waits for all of it on the GPU."""
-        self.tokens = 0.0
+    def waited(self, mark: float) -> None:
+        """The batch's stream waits on the GPU for the work up to `mark`."""
+        self.covered = max(self.covered, mark)
 
 
 class GraphBatchingManager:
@@ -518,22 +533,21 @@ class GraphBatchingManager:
             decoding_rows = any(sequence.decoding for sequence in scheduler.running.values())
             gpu_idle = in_flight[-1].finished() if in_flight else None  # before this turn queues anything
             behind = None if gpu_idle is None else gpu_idle or self._clients_behind
-            if entered:
-                began, eager = time.perf_counter(), engine.prefill.eager_runs
-                launched = self._enter(entered, engine, scheduler, side)
-                prefilled += launched
-                self.stats["admit_host_ms"] += 1000 * (time.perf_counter() - began)
-                self.stats["eager_prefills"] += engine.prefill.eager_runs - eager
-                self.stats["prefills_beside"] += len(launched) if decoding_rows else 0
-            # Prompts prefilled beside decoding rows join them once the steps their prefill takes are queued, or at
-            # once when no row decodes; the batch's stream waits for the prefill on the GPU.
-            ready = [part for part in prefilled if part.steps_left <= 0 or not decoding_rows]
+            # The entering rows are parked now, on the batch's stream, and step inert in the chunk queued next; their
+            # prefills, whose host work takes longer, are queued after that chunk (on the side stream, after the
+            # parking only), so that the GPU runs the chunk while the host issues them.
+            parts = self._parts(entered, engine)
+            parked = _event() if parts and side is not None else None
+            # Prompts prefilled beside decoding rows join them once the side stream is through their prefill by the
+            # count of steps queued beside it, or at once when no row decodes; the batch's stream waits for the
+            # prefill on the GPU.
+            ready = [part for part in prefilled if side_work.through(part.mark) or not decoding_rows]
             chunk = None
             if ready:
                 prefilled = [part for part in prefilled if part not in ready]
                 chunk = _Chunk(None, {}, 0, *self._activate(ready, engine, decoding_rows))
-                if not (decoding_rows or any(sequence.prefilling for sequence in scheduler.running.values())):
-                    side_work.waited()  # the batch's stream waits for the last work queued on the side stream
+                if not decoding_rows:
+                    side_work.waited(max(part.mark for part in ready))
             decoding = {row: sequence for row, sequence in scheduler.running.items() if sequence.decoding}
             streams = any(sequence.streaming for sequence in decoding.values())
             steps = streaming_steps.next(behind) if streams else runner.steps_per_sync
@@ -551,9 +565,6 @@ class GraphBatchingManager:
                 chunk.handle, chunk.owners, chunk.steps = runner.issue(steps, mode), decoding, steps
                 for sequence in decoding.values():
                     sequence.length += steps
-                for part in prefilled:
-                    part.steps_left -= steps
-                side_work.stepped(steps, runner.batch_size)
                 if timed:
                     chunk.events = (before, _event())
                     chunk.done = chunk.events[-1]
@@ -565,8 +576,17 @@ class GraphBatchingManager:
                 chunk.done = _event()
             if chunk is not None:
                 in_flight.append(chunk)
+            if parts:
+                began, eager = time.perf_counter(), engine.prefill.eager_runs
+                launched = self._enter(parts, engine, scheduler, side, parked)
+                prefilled += launched
+                self.stats["admit_host_ms"] += 1000 * (time.perf_counter() - began)
+                self.stats["eager_prefills"] += engine.prefill.eager_runs - eager
+                self.stats["prefills_beside"] += len(launched) if decoding else 0
             self._take_in(scheduler, engine, wait=False)  # on the host while the GPU runs what was just queued
             self._media_ahead(scheduler, engine)
+            if decoding:  # the chunk's steps run beside what the side stream holds, this turn's prefills and tower too
+                side_work.stepped(steps, runner.batch_size)
             # One chunk stays queued while the host reads the one before; with nothing new queued, read them all.
             while len(in_flight) > (1 if chunk is not None else 0):
                 self._read(in_flight.popleft(), scheduler, runner)
@@ -810,10 +830,10 @@ class GraphBatchingManager:
         """`steps_past_end` of the engine's decode runner: slots a row holds beyond its prompt and answer."""
         return steps_past_end(engine.decode.steps_per_sync)
 
-    def _enter(self, entered: list, engine, scheduler, side) -> list:
-        """Queue the prefills of the admitted `entered` into their rows (`_launch`); returns their `_Prefilled`s (a long
-        prompt's only with its last chunk). A group whose prefill fails is tried again one by one, so that only a bad
-        request fails."""
+    def _parts(self, entered: list, engine) -> list:
+        """The admitted `entered` as the prefills that take them: groups of one kind (their inputs but the pixels),
+        shortest first, cut where the budget or a row would be passed, then shaped as captured graphs; each part's rows
+        parked (`_park`)."""
         groups = {}
         for sequence in sorted(entered, key=lambda sequence: sequence.prompt_len):  # a kind: its inputs but the pixels,
             groups.setdefault(tuple(sorted(set(sequence.prompt) - set(PIXELS))), []).append(sequence)  # encoded or not
@@ -828,10 +848,30 @@ class GraphBatchingManager:
                 part.append(sequence)
                 most_new = new
             parts += _graph_shaped(part, engine.prefill)
+        for part in parts:
+            self._park(part, engine)
+        return parts
+
+    @staticmethod
+    def _park(part: list, engine) -> None:
+        """`part`'s rows parked on the batch's stream for its prefill, at its longest prompt's length (its padding
+        included): inert, stepping only past the prompt (`DecodeRunner.park`). A long prompt's row stays parked from its
+        first chunk on."""
+        if part[0].prefilled:
+            return
+        length = max(sequence.prompt_len for sequence in part)
+        engine.decode.park(to_device(torch.tensor([sequence.row for sequence in part]), engine.device), length)
+        for sequence in part:
+            sequence.length = length
+
+    def _enter(self, parts: list, engine, scheduler, side, parked) -> list:
+        """Queue the prefills of `parts` into their parked rows (`_launch`, after the event `parked`); returns their
+        `_Prefilled`s (a long prompt's only with its last chunk). A part whose prefill fails is tried again one by one,
+        each parked at its own length, so that only a bad request fails."""
         launched = []
         for part in parts:
             try:
-                launched.append(self._launch(part, engine, side))
+                launched.append(self._launch(part, engine, side, parked))
             except Exception as error:  # noqa: BLE001 - the requests' results name it; the others go on
                 if len(part) == 1:
                     engine.decode.release(part[0].row)
@@ -839,7 +879,8 @@ class GraphBatchingManager:
                     continue
                 for sequence in part:
                     try:
-                        launched.append(self._launch([sequence], engine, side))
+                        self._park([sequence], engine)
+                        launched.append(self._launch([sequence], engine, side, parked))
                     except Exception as alone:  # noqa: BLE001
                         engine.decode.release(sequence.row)
                         self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(alone).__name__}: {alone}")
@@ -857,21 +898,18 @@ class GraphBatchingManager:
         for sequence in part:
             sequence.launched = now
 
-    def _launch(self, part: list, engine, side) -> _Prefilled | None:
-        """Queue one prefill of `part` (prompts of one kind, padded on the left) into their rows: on a GPU on the `side`
-        stream, after their rows are parked on the batch's stream, so that the decode chunks queued next run beside it
-        (the rows step inert meanwhile, writing only past the prompt). A prompt longer than the budget, alone, is
-        prefilled one budget of it per call: None until its last chunk."""
+    def _launch(self, part: list, engine, side, parked) -> _Prefilled | None:
+        """Queue one prefill of `part` (prompts of one kind, padded on the left) into their parked rows: on a GPU on the
+        `side` stream, after the CUDA event `parked` (None: no wait), which the batch's stream recorded after parking
+        them and before its next chunk. Every step queued before it may have written anywhere in these rows (their
+        last requests', free rows' at slot 0); the chunks queued after it step them inert, writing only past the
+        prompt, so the prefill runs beside them. A prompt longer than the budget, alone, is prefilled one budget of it
+        per call: None until its last chunk."""
         model, runner, device = self.model, engine.decode, engine.device
         first = part[0]
         chunked = len(part) == 1 and (first.prefilled or first.prompt_len > self.max_prefill_tokens)
-        if not first.prefilled:
-            length = max(sequence.prompt_len for sequence in part)  # its left padding included
-            runner.park(to_device(torch.tensor([sequence.row for sequence in part]), device), length)
-            for sequence in part:
-                sequence.length = length
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream())  # the parking, and the steps queued before it
+        if parked is not None:
+            side.wait_event(parked)
         with torch.cuda.stream(side) if side is not None else nullcontext():
             before = _event() if side is not None else None
             cache_rows = to_device(torch.tensor([runner.cache_row_of[sequence.row] for sequence in part]), device)
@@ -911,7 +949,7 @@ class GraphBatchingManager:
             for key in JOINED_INPUTS:  # in its row now: the device memory of its pixels goes back
                 sequence.prompt.pop(key, None)
         next_positions = torch.stack([sequence.positions[:, 0, -1] + 1 for sequence in part], dim=1)
-        return _Prefilled(part, logits, mask, next_positions, after, self._side_work.steps(runner.batch_size))
+        return _Prefilled(part, logits, mask, next_positions, after, self._side_work.queued)
 
     def _activate(self, ready: list, engine, beside: bool) -> tuple:
         """The rows of the `ready` prefills begin decoding, on the batch's stream (which waits for the prefills on the

@@ -86,7 +86,9 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
     turns = [index for index, event in enumerate(events) if event[0] == "prefill"]
     assert all(events[index + 1][0] == "decode" for index in turns)  # each admission is followed by a chunk
     decoded = [rows for kind, rows in events[: turns[-1] + 2] if kind == "decode"]
-    assert len(decoded) == 6 and decoded[:4] == [2, 4, 6, 8]  # running rows step on while the others enter
+    # Running rows step on while the others enter; each chunk also steps, inert, the rows parked for the prefill queued
+    # after it in the same turn.
+    assert len(decoded) == 6 and decoded[:4] == [4, 6, 8, 10]
     # Every admission after the first was launched while rows decoded: beside them (on a GPU, on the side stream).
     stats = manager.stats
     assert stats["prefills_beside"] == 5 and stats["prefill_ms"] == stats["activation_wait_ms"] == 0
@@ -112,7 +114,7 @@ def test_a_long_queue_is_taken_in_a_little_each_turn_and_a_queued_request_can_be
     manager = ours.init_continuous_batching(max_prefill_tokens=2 * requests[0]["input_ids"].shape[1])
     work, prepare, enter = [], manager._prepare, manager._enter
     manager._prepare = lambda *args, **kwargs: work.append("check") or prepare(*args, **kwargs)
-    manager._enter = lambda entered, *args: work.append(len(entered)) or enter(entered, *args)
+    manager._enter = lambda parts, *args: work.append(sum(map(len, parts))) or enter(parts, *args)
     ids = manager.add_requests(requests)
     manager.cancel_request(ids[9])
     manager.start()
@@ -497,8 +499,8 @@ def test_every_setting_gives_the_same_tokens_whenever_rows_join(monkeypatch, bud
         if cancel is not None:  # cancelled as its prefill is launched: its row then waits to begin decoding
             launch = manager._launch
 
-            def launch_and_cancel(part, engine, side):
-                prefilled = launch(part, engine, side)
+            def launch_and_cancel(part, *args):
+                prefilled = launch(part, *args)
                 if prefilled is not None and any(sequence.request_id == cancel for sequence in part):
                     manager.cancel_request(cancel)
                 return prefilled
@@ -537,30 +539,44 @@ def test_a_prompt_that_fills_its_row_enters_beside_decoding_rows(monkeypatch):
 
 def test_prefills_beside_decoding_rows_count_from_the_side_streams_work_before_them(monkeypatch):
     """The side stream runs its work in order: a prefill queued behind another is through only after it, so its rows
-    begin decoding after the steps of both. Here the side stream gets through 4 prompt tokens a step (chunks of 2
-    steps) and a 21-token prompt enters per admission, each turn: each request waits for its turn, and every answer
-    still equals `generate`'s."""
+    begin decoding once the steps queued beside them cover both (`SideWork`: its mark counts every token queued
+    before it). Here the side stream gets through 4 prompt tokens a step, chunks are 2 steps, and a 21-token prompt
+    enters per turn: each request's rows wait for the count, and every answer still equals `generate`'s."""
     ours, stock = new_pair(max_batch_size=4, steps_per_sync=2)
     requests, expected = requests_and_expected(stock, 4, lengths=[40, 4, 4, 4], cases=[TEXT])
     monkeypatch.setattr(batching, "prefill_tokens_per_step", lambda rows, side: 4)
     manager = ours.init_continuous_batching(max_prefill_tokens=21)  # a 21-token prompt per admission
-    launches, launch = [], manager._launch
+    runner = ours.graph_engine().decode
+    launches, began, steps, launch, activate, issue = {}, {}, [0], manager._launch, manager._activate, runner.issue
 
-    def recorded_launch(part, engine, side):
-        queued = manager._side_work.tokens
-        prefilled = launch(part, engine, side)
-        launches.append((queued, prefilled.steps_left, part[0].prompt_len))
+    def recorded_launch(part, *args):
+        work = manager._side_work
+        queued, covered = work.queued, work.covered
+        prefilled = launch(part, *args)
+        launches[part[0].request_id] = (queued, covered, prefilled.mark, part[0].prompt_len, steps[0])
         return prefilled
 
-    manager._launch = recorded_launch
+    def recorded_activate(ready, *args):
+        for prefilled in ready:
+            began[prefilled.part[0].request_id] = steps[0]
+        return activate(ready, *args)
+
+    def counted_issue(count, mode):
+        steps[0] += count
+        return issue(count, mode)
+
+    manager._launch, manager._activate, runner.issue = recorded_launch, recorded_activate, counted_issue
     results = manager.generate_all(requests, progress_bar=False)
     assert [result.generated_tokens for result in results.values()] == expected
-    beside = launches[1:]  # the first enters with no row decoding
-    assert len(beside) == 3 and manager.stats["prefills_beside"] == 3
-    for queued, steps_left, tokens in beside:
-        assert steps_left == math.ceil((queued + tokens) / 4)  # it counts from the work queued before it
-    assert beside[0][0] == 0  # the first prefill's rows began at once (no row decoded): the batch waited for it
-    assert all(queued > 0 for queued, *_ in beside[1:])  # each later one entered behind the one before
+    assert manager.stats["prefills_beside"] == 3
+    beside = [key for key in launches if launches[key][4] > 0]  # launched after a chunk: beside decoding rows
+    assert len(beside) == 3
+    for key in beside:
+        queued, covered, mark, tokens, launched_at = launches[key]
+        assert mark == queued + tokens  # it counts from every token queued before it ...
+        chunks = math.ceil((mark - covered) / (2 * 4))  # ... and begins once the chunks from its turn's on cover it
+        assert began[key] - launched_at == 2 * (chunks - 1)
+    assert any(launches[key][0] > launches[key][1] for key in beside)  # one entered behind another's work
 
 
 def test_an_image_prefill_beside_decoding_rows_counts_its_towers_work_before_it(monkeypatch):
@@ -572,10 +588,10 @@ def test_an_image_prefill_beside_decoding_rows_counts_its_towers_work_before_it(
     manager = ours.init_continuous_batching(max_prefill_tokens=36)  # the text prompt enters first, alone
     launches, launch = [], manager._launch
 
-    def recorded_launch(part, engine, side):
-        queued = manager._side_work.tokens
-        prefilled = launch(part, engine, side)
-        launches.append((queued, prefilled.steps_left))
+    def recorded_launch(part, *args):
+        queued = manager._side_work.queued
+        prefilled = launch(part, *args)
+        launches.append((queued, prefilled.mark))
         return prefilled
 
     manager._launch = recorded_launch
@@ -583,8 +599,8 @@ def test_an_image_prefill_beside_decoding_rows_counts_its_towers_work_before_it(
     assert [result.generated_tokens for result in results.values()] == expected
     features = int((requests[1]["input_ids"] == ours.config.image_token_id).sum())
     assert manager.stats["encoded_ahead"] == 1 and manager.stats["prefills_beside"] == 1
-    tower = batching.TOWER_TOKENS_PER_FEATURE * features
-    assert launches[1] == (tower, math.ceil((tower + requests[1]["input_ids"].shape[1]) / 4))
+    text, tower = requests[0]["input_ids"].shape[1], batching.TOWER_TOKENS_PER_FEATURE * features
+    assert launches[1] == (text + tower, text + tower + requests[1]["input_ids"].shape[1])
 
 
 def test_a_stop_string_of_several_bytes_per_character_is_found_in_byte_tokens():
@@ -691,7 +707,7 @@ def test_while_rows_decode_an_image_request_enters_once_encoded_beside_a_chunk(m
                         lambda model, inputs: events.append(("encode", 1)) or encode(model, inputs))
     manager = ours.init_continuous_batching()
     enter = manager._enter
-    manager._enter = lambda entered, *args: events.append(("enter", len(entered))) or enter(entered, *args)
+    manager._enter = lambda parts, *args: events.append(("enter", sum(map(len, parts)))) or enter(parts, *args)
     manager.start()
     try:
         first = manager.add_request(**text, streaming=True)
@@ -702,8 +718,8 @@ def test_while_rows_decode_an_image_request_enters_once_encoded_beside_a_chunk(m
         assert list(streamed)[-1].generated_tokens == expected[0]
     finally:
         manager.stop()
-    at = events.index(("encode", 1))
-    assert events[at - 1][0] == "decode" and events[at + 1 : at + 3] == [("enter", 1), ("prefill", 1)]
+    at = events.index(("encode", 1))  # the turn after, its row steps inert in the chunk queued before its prefill
+    assert events[at - 1][0] == "decode" and events[at + 1 : at + 4] == [("decode", 2), ("enter", 1), ("prefill", 1)]
     assert (manager.stats["encoded_ahead"], manager.stats["encoded_at_admission"]) == (1, 0)
 
 
