@@ -243,11 +243,6 @@ class SideWork:
     def __init__(self, side):
         self.side, self.queued, self.covered = side, 0.0, 0.0
 
-    @property
-    def tokens(self) -> float:
-        """The work queued and not covered yet."""
-        return self.queued - self.covered
-
     def add(self, tokens: float) -> float:
         """Work queued now; returns its mark."""
         self.queued += tokens
@@ -255,10 +250,6 @@ class SideWork:
 
     def through(self, mark: float) -> bool:
         return self.covered >= mark
-
-    def steps(self, mark: float, rows: int) -> int:
-        """Decode steps of `rows` rows until the side stream is through the work up to `mark`."""
-        return math.ceil(max(0.0, mark - self.covered) / prefill_tokens_per_step(rows, self.side))
 
     def stepped(self, steps: int, rows: int) -> None:
         """`steps` decode steps of `rows` rows were queued beside the work queued so far."""
