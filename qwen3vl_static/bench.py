@@ -313,6 +313,8 @@ def run(args) -> dict:
         raise SystemExit("bench needs a CUDA GPU; on a CPU run `python -m qwen3vl_static demo`")
     device, dtype = torch.device("cuda"), torch.bfloat16
     settings = {"use_triton_kernels": not args.torch_ops, "kv_cache_dtype": args.kv_cache_dtype}  # 8 x 4096 slots
+    if args.prefill_graph_tokens is not None:
+        settings["prefill_graph_tokens"] = args.prefill_graph_tokens
     about = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
              "python": platform.python_version(), "date": date.today().isoformat(),
              "command": " ".join(["python -m qwen3vl_static bench"] + sys.argv[2:]), "model": args.model}

@@ -61,7 +61,7 @@ def continuous(model, prompts, lengths, max_batch_size=None, **manager_settings)
     first_read = stats.pop("first_token_ms")  # from the prefill's launch to the host reading the first token
     row = {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds, "requests_per_s": len(results) / seconds,
            "rows": model.config.max_batch_size, "static_cache_len": model.config.static_cache_len,
-           "kv_cache_dtype": model.config.kv_cache_dtype,
+           "kv_cache_dtype": model.config.kv_cache_dtype, "prefill_graph_tokens": model.config.prefill_graph_tokens,
            "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": percentile(ttft, 0.99),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
            **{f"gpu_{key}" if key.endswith("_ms") else key: value for key, value in stats.items()},

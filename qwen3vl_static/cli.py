@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="what our KV cache stores in the decode, --batching and --server measurements: auto (the "
                        "model's dtype, default) or fp8 (float8 e4m3)")
+    bench.add_argument("--prefill-graph-tokens", type=int,
+                       help="our config's prefill_graph_tokens in the decode, --serving and --batching measurements "
+                       "(default: the config's, 2048): the largest prefill replayed as a CUDA graph, in tokens")
     bench.add_argument("--serving", action="store_true",
                        help="also measure where users run it: sampling at Qwen's defaults and top-p alone against "
                        "greedy, TTFT of 8 image prompts in one batch, decode at 7800 / 4000 tokens of context and at "
