@@ -36,7 +36,7 @@ def main() -> None:
     continuous(model, prompts, lengths, max_batch_size=args.rows)  # captures and tunes
 
     profile, parts = cProfile.Profile(), []
-    enter, prefill = batching.GraphBatchingManager._enter, batching.GraphBatchingManager._prefill
+    enter, launch = batching.GraphBatchingManager._enter, batching.GraphBatchingManager._launch
 
     def profiled_enter(self, *call):
         profile.enable()
@@ -45,18 +45,18 @@ def main() -> None:
         finally:
             profile.disable()
 
-    def timed_prefill(self, part, engine):
+    def timed_launch(self, part, engine, *rest):
         began, eager = time.perf_counter(), engine.prefill.eager_runs
         try:
-            return prefill(self, part, engine)
+            return launch(self, part, engine, *rest)
         finally:
             parts.append({"requests": len(part), "length": max(sequence.prompt_len for sequence in part),
                           "eager": engine.prefill.eager_runs > eager,
                           "host_ms": 1000 * (time.perf_counter() - began)})
 
-    batching.GraphBatchingManager._enter, batching.GraphBatchingManager._prefill = profiled_enter, timed_prefill
+    batching.GraphBatchingManager._enter, batching.GraphBatchingManager._launch = profiled_enter, timed_launch
     row, _ = continuous(model, prompts, lengths, max_batch_size=args.rows)
-    batching.GraphBatchingManager._enter, batching.GraphBatchingManager._prefill = enter, prefill
+    batching.GraphBatchingManager._enter, batching.GraphBatchingManager._launch = enter, launch
     listing = io.StringIO()
     stats = pstats.Stats(profile, stream=listing)
     stats.sort_stats("cumulative").print_stats(45)

@@ -47,17 +47,17 @@ def main() -> None:
         rows[kind] = []
         for _ in range(args.runs):
             manager, marks = model.init_continuous_batching(), {"checked": 0}
-            prepare, prefill = manager._prepare, manager._prefill
+            prepare, launch = manager._prepare, manager._launch
 
             def counted(*call, prepare=prepare, marks=marks, **named):
                 marks["checked"] += 1
                 return prepare(*call, **named)
 
-            def first(part, engine, prefill=prefill, marks=marks):
+            def first(part, *rest, launch=launch, marks=marks):
                 marks.setdefault("first", (time.perf_counter(), marks["checked"]))
-                return prefill(part, engine)
+                return launch(part, *rest)
 
-            manager._prepare, manager._prefill = counted, first
+            manager._prepare, manager._launch = counted, first
             manager.add_requests(prompts)
             began = time.perf_counter()
             manager.start()
