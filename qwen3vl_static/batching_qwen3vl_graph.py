@@ -222,7 +222,7 @@ class _Prefilled:
     attention_mask: torch.Tensor  # `(b, length)`, on the host: zeros for the left padding
     next_positions: torch.Tensor  # their first tokens' M-RoPE positions `(3, b)`, on the host
     done: object = None  # the CUDA event after the prefill (None: the CPU's one stream, done)
-    mark: float = 0.0  # the side stream's work up to and with it (`SideWork.add`): through once that is covered
+    mark: float = 0.0  # `SideWork.queued` once it was queued: through once the work up to there is covered
 
 
 def prefill_tokens_per_step(rows: int, side) -> float:
@@ -243,10 +243,9 @@ class SideWork:
     def __init__(self, side):
         self.side, self.queued, self.covered = side, 0.0, 0.0
 
-    def add(self, tokens: float) -> float:
-        """Work queued now; returns its mark."""
+    def add(self, tokens: float) -> None:
+        """Work queued now."""
         self.queued += tokens
-        return self.queued
 
     def through(self, mark: float) -> bool:
         return self.covered >= mark
