@@ -266,13 +266,16 @@ class GraphBatchingManager:
     other threads wait); `stop()` lets every request already added finish first."""
 
     def __init__(self, model, generation_config=None, max_queue_size: int = 0,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, tokenizer=None):
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, tokenizer=None, pixel_transform=None):
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be positive, got {max_prefill_tokens}")
         self.model = model
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         self.max_prefill_tokens = max_prefill_tokens
         self.tokenizer = tokenizer  # decodes the tail of an answer for requests with stop strings
+        # Applied on the device to the requests' pixels as the tower takes them (`_encode`): a server hands over raw
+        # uint8 patches and normalizes them on the GPU.
+        self.pixel_transform = pixel_transform
         self.input_queue = queue.Queue(max_queue_size)
         self.output_queue = queue.Queue()
         self._cancelled = queue.SimpleQueue()
@@ -664,6 +667,8 @@ class GraphBatchingManager:
                          if key in sequence.prompt]
                 if parts:
                     joined[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
+                    if key in PIXELS and self.pixel_transform is not None:
+                        joined[key] = self.pixel_transform(joined[key])
             media = media_features(self.model, joined)
             done = _event() if side is not None else None
         unit = self.model.config.vision_config.spatial_merge_size ** 2

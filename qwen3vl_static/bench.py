@@ -422,7 +422,7 @@ def report(summary, out_dir: Path) -> Path:
                                      "client_cores_busy", "server_cores_busy", "gpu_prefill_busy", "gpu_decode_busy",
                                      "requests_per_prefill", "prefill_beside_share", "prefill_gpu_ms_mean",
                                      "activation_wait_ms_per_prefill", "admit_host_ms_mean", "eager_prefill_share",
-                                     "engine_cores_busy", "engine_normalize_ms_per_request", "answers_as_asked"])
+                                     "engine_cores_busy", "answers_as_asked"])
         for key, value in server.items():
             if "_generate" in key:
                 print(f"{key}: {value}")

@@ -210,8 +210,6 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),
             "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds,
-            "engine_normalize_ms_per_request": 1000 * grown("engine_normalize_seconds_total")
-            / max(grown("admitted_requests_total"), 1),
             "encoded_ahead_share": ahead / max(ahead + grown("requests_encoded_at_admission_total"), 1)}
 
 

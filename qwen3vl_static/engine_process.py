@@ -4,8 +4,8 @@ Not uploaded to the Hub.
 Why processes (vLLM's API-server / engine-core split): in one process the event loop's HTTP, JSON, image decoding,
 processor runs and per-token streaming take the interpreter lock that the batch's thread needs between chunks, so at
 many clients the batch waits on the host. Here the engine process runs only the batch and two light threads: one
-reads the requests of every HTTP process (`EngineProcess` starts it; messages are pickled tuples), normalizing image
-patches that cross as uint8 (`pixels.py`: a quarter of float32's bytes); the other, an asyncio loop, adds them to the
+reads the requests of every HTTP process (`EngineProcess` starts it; messages are pickled tuples), image patches
+crossing as uint8 (`pixels.py`: a quarter of float32's bytes), normalized by the batch on the GPU; the other, an asyncio loop, adds them to the
 manager and sends each HTTP process the outputs of a chunk in one message, tokens new since the last. The HTTP
 processes hold an `EngineClient` each.
 
@@ -50,7 +50,7 @@ class EngineInfo:
     reserved: int  # slots of a row that steps past a request's end may write
     max_requests: int  # running and waiting choices at once (rows + max_waiting); past it: 503
     eos_ids: frozenset
-    uint8_pixels: bool  # image patches cross unnormalized, as uint8 (`PixelNormalizer`)
+    uint8_pixels: bool  # image patches cross unnormalized, as uint8, normalized on the device (`PixelNormalizer`)
 
 
 class EngineProcess:
@@ -103,12 +103,13 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
         processor = build_processor()
         model = build_model()
         budget = {} if max_prefill_tokens is None else {"max_prefill_tokens": max_prefill_tokens}  # None: the default
+        normalizer = PixelNormalizer.for_processor(processor)
         manager = model.init_continuous_batching(max_batch_size=max_batch_size, **budget,
-                                                 tokenizer=getattr(processor, "tokenizer", processor))
+                                                 tokenizer=getattr(processor, "tokenizer", processor),
+                                                 pixel_transform=normalizer)
         if warmup:
             logger.info("engine process: graphs of the batch captured ahead in %.1f s", manager.warmup())
         engine = model.graph_engine()
-        normalizer = PixelNormalizer.for_processor(processor)
         eos = model.generation_config.eos_token_id
         info = EngineInfo(row_slots=engine.cache.capacity, reserved=manager.past_end(engine),
                           max_requests=engine.cache.rows + max_waiting,
@@ -119,7 +120,7 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
         return
     logger.info("engine process [%d]: %d rows of %d slots, up to %d prompt tokens admitted per turn; "
                 "image patches cross as %s", os.getpid(), engine.cache.rows, engine.cache.capacity,
-                manager.max_prefill_tokens, "uint8, normalized here" if normalizer is not None else
+                manager.max_prefill_tokens, "uint8, normalized on the device" if normalizer is not None else
                 "float32 (the processor's own)")
     control.send(("ready", info))
     asyncio.run(_Engine(manager, normalizer, info.max_requests, connections).run(control))
@@ -134,7 +135,6 @@ class _Engine:
         self.pending = {}  # HTTP process index -> outputs not sent yet
         self.error_sent = False
         self.cpu_start = time.process_time()
-        self.normalize_s = 0.0  # the reader thread's time normalizing image patches, one request after another
         self.loop = None
         self.stopping = None
 
@@ -178,15 +178,15 @@ class _Engine:
                     return
 
     def _tensors(self, message: tuple) -> tuple:
-        """A submission's arrays as the tensors `add_request` takes, uint8 patches normalized."""
+        """A submission's arrays as the tensors `add_request` takes, uint8 patches checked for the batch's
+        `pixel_transform` (which normalizes them on the device)."""
         kind, job_id, request_ids, inputs, settings = message
         tensors = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
                    for key, value in inputs.items()}
-        began = time.perf_counter()
-        for key in ("pixel_values", "pixel_values_videos"):
-            if key in tensors and tensors[key].dtype == torch.uint8:
-                tensors[key] = self.normalizer(tensors[key])
-        self.normalize_s += time.perf_counter() - began
+        if self.normalizer is not None:
+            for key in ("pixel_values", "pixel_values_videos"):
+                if key in tensors:
+                    self.normalizer.check(tensors[key])
         return kind, job_id, request_ids, tensors, settings
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class _Engine:
             self.manager.cancel_request(message[1])
         elif kind == "stats":
             counters = {**self.manager.stats, "in_flight": len(self.owner),
-                        "engine_cpu_s": time.process_time() - self.cpu_start, "engine_normalize_s": self.normalize_s}
+                        "engine_cpu_s": time.process_time() - self.cpu_start}
             self._send(front, ("stats", message[1], counters))
         else:  # "stop"
             self.stopping.set()

@@ -329,6 +329,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         self, generation_config=None, max_queue_size: int = 0, *, max_batch_size: int | None = None,
         static_cache_len: int | None = None, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, tokenizer=None, requests: int | None = None,
+        pixel_transform=None,
     ) -> GraphBatchingManager:
         """A continuous-batching manager for this model (not started), as transformers' own: `start()`,
         `add_request(input_ids, request_id, max_new_tokens, streaming, **settings_and_model_inputs)`, `get_result()`,
@@ -339,9 +340,12 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         `requests` when given; on the CPU the config's). A size other than the config's rebuilds the cache (and its
         graphs), which later `generate` calls use too; one log line says what was chosen and why. Waiting prompts
         enter `max_prefill_tokens` at a time, prefilled beside the chunks of decode steps. `tokenizer` decodes answers
-        for requests with `stop_strings`."""
+        for requests with `stop_strings`. `pixel_transform`: a function applied on the model's device to the requests'
+        `pixel_values` / `pixel_values_videos` (joined) before the vision tower, e.g. normalizing raw uint8 patches
+        there, as the server does; every request's pixels are then what it takes."""
         self._size_cache(max_batch_size, static_cache_len, gpu_memory_utilization, max_prefill_tokens, requests)
-        return GraphBatchingManager(self, generation_config, max_queue_size, max_prefill_tokens, tokenizer)
+        return GraphBatchingManager(self, generation_config, max_queue_size, max_prefill_tokens, tokenizer,
+                                    pixel_transform)
 
     def generate_batch(self, inputs, generation_config=None, progress_bar: bool = True, *,
                        max_batch_size: int | None = None, static_cache_len: int | None = None,

@@ -1,13 +1,17 @@
-"""Image patches that cross from the server's HTTP processes to its engine process as uint8, normalized there exactly
-as the processor would have. Not uploaded to the Hub.
+"""Image patches that cross from the server's HTTP processes to its engine process as uint8 and reach the GPU so,
+normalized there exactly as the processor would have. Not uploaded to the Hub.
 
 A Qwen-VL image processor resizes an image (uint8), rescales and normalizes it per channel (float32) and cuts it into
 patches. Cutting commutes with the per-channel arithmetic, so the HTTP processes run their processor with rescaling
 and normalizing turned off (`raw`: a quarter of the bytes to hand over, and no float work in the processes that
-stream) and the engine applies the same arithmetic to the patches (`PixelNormalizer.__call__`). Which arithmetic
-depends on the processor's backend (torch's fuses the rescale into the mean and std; PIL's rescales in float64
-first); `for_processor` checks the result bit for bit against the processor itself on an image that needs resizing,
-and returns None where it differs, in which case the float32 patches cross as they are.
+stream), and the engine's batch applies the same arithmetic to the patches on the device, just before the vision
+tower (`PixelNormalizer.__call__` as the manager's `pixel_transform`): the engine's one reader thread, which takes
+every HTTP process's requests one after another, does no float work either. Which arithmetic depends on the
+processor's backend (torch's fuses the rescale into the mean and std; PIL's rescales in float64 first, looked up
+here from a table of each channel's 256 results); each is an elementwise subtraction and division in float32 or a
+gather, which a GPU rounds as the CPU does. `for_processor` checks the result bit for bit against the processor
+itself on an image that needs resizing, and returns None where it differs, in which case the float32 patches cross
+as they are.
 """
 
 from dataclasses import dataclass
@@ -64,33 +68,50 @@ class PixelNormalizer:
             image_processor.do_rescale, image_processor.do_normalize = saved
         return as_uint8(patches)
 
+    def check(self, patches: torch.Tensor) -> None:
+        """Raise a `ValueError` unless `patches` are what `__call__` takes: uint8 `(patches, channels * rest)`."""
+        channels = len(self.mean)
+        if patches.dtype != torch.uint8 or patches.dim() != 2 or patches.shape[1] % channels:
+            raise ValueError(f"image patches must be uint8 of shape (patches, {channels} x values per channel), got "
+                             f"{patches.dtype} {tuple(patches.shape)}")
+
     def __call__(self, patches: torch.Tensor) -> torch.Tensor:
-        """float32 patches from uint8 ones, `(patches, channels * rest)`: each channel's values are contiguous."""
+        """float32 patches from uint8 ones `(patches, channels * rest)`, on their device: each channel's values are
+        contiguous."""
         rows, width = patches.shape
         channels = len(self.mean)
         per_channel = patches.view(rows, channels, width // channels)
-        if self.channels_fused:  # cheap in float32
-            return self._arithmetic(per_channel).view(rows, width)
-        # float64 over every value is slow: each channel's 256 results, looked up
-        offsets = torch.arange(channels, dtype=torch.int32)[:, None] * 256
-        return self._table.view(-1)[per_channel.to(torch.int32) + offsets].view(rows, width)
+        constants = self._on(patches.device)
+        if self.channels_fused:  # (x - mean / factor) / (std / factor), cheap in float32
+            mean, std = constants
+            return ((per_channel.to(torch.float32) - mean) / std).view(rows, width)
+        # float64 over every value is slow (and on a GPU slower still): each channel's 256 results, looked up
+        table, offsets = constants
+        return table[per_channel.to(torch.int32) + offsets].view(rows, width)
+
+    def _on(self, device: torch.device) -> tuple:
+        """The arithmetic's constants on `device`, made on the host and copied there once: a copy from the host waits
+        for the work queued on the device."""
+        if device not in self._constants:
+            channels = len(self.mean)
+            if self.channels_fused:
+                constants = ((torch.tensor(self.mean) * (1.0 / self.rescale_factor))[:, None],
+                             (torch.tensor(self.std) * (1.0 / self.rescale_factor))[:, None])
+            else:
+                constants = (self._table().view(-1), torch.arange(channels, dtype=torch.int32)[:, None] * 256)
+            self._constants[device] = tuple(constant.to(device) for constant in constants)
+        return self._constants[device]
 
     @cached_property
-    def _table(self) -> torch.Tensor:
-        """(channels, 256): each channel's result for each uint8 value."""
-        return self._arithmetic(torch.arange(256, dtype=torch.uint8).expand(len(self.mean), 256)[None])[0]
+    def _constants(self) -> dict:
+        return {}
 
-    def _arithmetic(self, per_channel: torch.Tensor) -> torch.Tensor:
-        """The processor's rescale and normalize of uint8 values `(..., channels, values)`, in its order and types."""
-        if self.channels_fused:
-            mean = torch.tensor(self.mean) * (1.0 / self.rescale_factor)
-            std = torch.tensor(self.std) * (1.0 / self.rescale_factor)
-            values = per_channel.to(torch.float32)
-        else:
-            mean = torch.tensor(self.mean, dtype=torch.float32)
-            std = torch.tensor(self.std, dtype=torch.float32)
-            values = (per_channel.to(torch.float64) * self.rescale_factor).to(torch.float32)
-        return (values - mean[:, None]) / std[:, None]
+    def _table(self) -> torch.Tensor:
+        """(channels, 256): each channel's result for each uint8 value, as the PIL backend computes it."""
+        values = torch.arange(256, dtype=torch.uint8).expand(len(self.mean), 256)
+        mean = torch.tensor(self.mean, dtype=torch.float32)[:, None]
+        std = torch.tensor(self.std, dtype=torch.float32)[:, None]
+        return ((values.to(torch.float64) * self.rescale_factor).to(torch.float32) - mean) / std
 
 
 def as_uint8(patches: torch.Tensor) -> torch.Tensor | None:

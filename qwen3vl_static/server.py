@@ -79,8 +79,6 @@ METRICS = {
     "encoded_at_admission": ("qwen3vl_static_requests_encoded_at_admission_total", 1,
                              "requests whose images the vision tower encoded as they entered"),
     "engine_cpu_s": ("qwen3vl_static_engine_cpu_seconds_total", 1, "CPU time of the engine process"),
-    "engine_normalize_s": ("qwen3vl_static_engine_normalize_seconds_total", 1,
-                           "time the engine process spent normalizing requests' image patches, one after another"),
 }
 
 

@@ -5,9 +5,12 @@ per request (a seeded sampled request draws the same tokens alone or among other
 strings; a bad request fails alone; cache rows sized from (fake) GPU memory; the model stays usable afterwards."""
 
 import math
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from conftest import bucketed_pair, build, chat, image, new_pair
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.continuous_batching.requests import RequestStatus
@@ -20,7 +23,8 @@ from qwen3vl_static.batching_qwen3vl_graph import (
     media_bytes_per_token,
     slots_from_memory,
 )
-from qwen3vl_static.presets import real_config, tiny_tokenizer
+from qwen3vl_static.pixels import PixelNormalizer
+from qwen3vl_static.presets import real_config, tiny_image_processor, tiny_tokenizer
 
 CASES = [([[chat("image", "What is it?")]], {"images": [image(64, 64)]}), ([[chat("Hi")]], {}),
          ([[chat("image", "Describe it.")]], {"images": [image(96, 64)]}), ([[chat("Tell me more about it")]], {})]
@@ -666,6 +670,26 @@ def test_images_are_encoded_ahead_of_their_prefill_while_rows_decode(monkeypatch
     assert sum(events[index][1] for index in encodes) == 4  # each image once
     assert any(events[index][1] == 2 for index in encodes)  # two requests' images in one call
     assert any(events[index - 1][0] == "decode" for index in encodes)  # right after a chunk, ahead of the prefill
+
+
+def test_a_pixel_transform_takes_raw_patches_to_the_tower():
+    """Requests whose images come as raw uint8 patches (the processor's rescaling and normalizing off, as the server
+    hands them over) generate as the processor's float patches do, once the manager's `pixel_transform` normalizes
+    them on the device: encoded ahead of their prefill beside a decoding row and at their admission alike."""
+    ours, stock = new_pair(max_batch_size=2)
+    generator = np.random.default_rng(3)
+    pictures = [Image.fromarray(generator.integers(0, 256, (48 + 16 * index, 64, 3), dtype=np.uint8))
+                for index in range(3)]
+    cases = [([[chat("image", "What is it?")]], {"images": [picture]}) for picture in pictures]
+    requests, expected = requests_and_expected(stock, 4, cases=[*cases, TEXT])
+    normalizer = PixelNormalizer.for_processor(SimpleNamespace(image_processor=tiny_image_processor()))
+    raw = [{**request, "pixel_values": PixelNormalizer.raw_patches(tiny_image_processor(), [picture])}
+           for request, picture in zip(requests, pictures)] + requests[3:]
+    assert all(request["pixel_values"].dtype == torch.uint8 for request in raw[:3])
+    results = ours.init_continuous_batching(pixel_transform=normalizer).generate_all(raw, progress_bar=False)
+    assert [result.generated_tokens for result in results.values()] == expected
+    untransformed = ours.init_continuous_batching().generate_all(raw[:1], progress_bar=False)
+    assert untransformed["req_0"].generated_tokens != expected[0]  # the transform is what makes them equal
 
 
 def test_media_that_cannot_be_encoded_fail_their_request_alone(monkeypatch):

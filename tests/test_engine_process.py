@@ -74,7 +74,7 @@ async def eventually(condition):
         await asyncio.sleep(0.01)
 
 
-def test_requests_cross_with_their_settings_and_uint8_patches_normalized(engine):
+def test_requests_cross_with_their_settings_and_uint8_patches_for_the_device(engine):
     manager, _, connections = engine
     patches = torch.randint(0, 256, (4, 3 * 8), dtype=torch.uint8)
 
@@ -93,7 +93,7 @@ def test_requests_cross_with_their_settings_and_uint8_patches_normalized(engine)
     assert first["streaming"] and first["max_new_tokens"] == 4 and first["seed"] == 1
     assert manager.added["job-1"]["seed"] == 2
     assert torch.equal(first["input_ids"], torch.tensor([[5, 6, 7]]))
-    assert first["pixel_values"].dtype == torch.float32 and torch.equal(first["pixel_values"], NORMALIZER(patches))
+    assert torch.equal(first["pixel_values"], patches)  # as they crossed: the batch normalizes them on the device
 
 
 def test_outputs_reach_their_own_client_with_every_token_so_far(engine):

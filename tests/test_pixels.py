@@ -1,4 +1,4 @@
-"""The server's uint8 image patches, normalized in the engine process: bit for bit what the processor gives."""
+"""The server's uint8 image patches, normalized by the engine's batch on the device: bit for bit what the processor gives."""
 
 from types import SimpleNamespace
 
@@ -65,3 +65,14 @@ def test_as_uint8_takes_whole_values_only():
     assert as_uint8(torch.tensor([0.5, 2.0])) is None
     assert as_uint8(torch.tensor([-1.0, 2.0])) is None
     assert as_uint8(torch.tensor([256.0])) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("image_processor", image_processors(), ids=lambda processor: type(processor).__name__)
+def test_patches_normalized_on_the_gpu_equal_the_processors_bit_for_bit(image_processor):
+    """The server's batch normalizes the uint8 patches on the GPU (`pixel_transform`): the same float32 values."""
+    normalizer = PixelNormalizer.for_processor(SimpleNamespace(image_processor=image_processor))
+    images = pictures(2)
+    expected = image_processor(images=images, return_tensors="pt")["pixel_values"]
+    raw = PixelNormalizer.raw_patches(image_processor, images)
+    assert torch.equal(normalizer(raw.cuda()).cpu(), expected)
