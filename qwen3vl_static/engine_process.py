@@ -5,9 +5,9 @@ Why processes (vLLM's API-server / engine-core split): in one process the event 
 processor runs and per-token streaming take the interpreter lock that the batch's thread needs between chunks, so at
 many clients the batch waits on the host. Here the engine process runs only the batch and two light threads: one
 reads the requests of every HTTP process (`EngineProcess` starts it; messages are pickled tuples), image patches
-crossing as uint8 (`pixels.py`: a quarter of float32's bytes), normalized by the batch on the GPU; the other, an asyncio loop, adds them to the
-manager and sends each HTTP process the outputs of a chunk in one message, tokens new since the last. The HTTP
-processes hold an `EngineClient` each.
+crossing as uint8 (`pixels.py`: a quarter of float32's bytes), which the batch normalizes on the GPU; the other, an
+asyncio loop, adds them to the manager and sends each HTTP process the outputs of a chunk in one message, tokens new
+since the last. The HTTP processes hold an `EngineClient` each.
 
 Messages, HTTP process -> engine: ("submit", job id, request ids, model inputs, per-choice settings), ("cancel", request
 id), ("stats", token). Engine -> HTTP process: ("submitted", job id, refusal or None), ("outputs", [(request id,
