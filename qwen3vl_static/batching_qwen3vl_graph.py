@@ -274,8 +274,8 @@ class GraphBatchingManager:
         self.generation_config = generation_config if generation_config is not None else model.generation_config
         self.max_prefill_tokens = max_prefill_tokens
         self.tokenizer = tokenizer  # decodes the tail of an answer for requests with stop strings
-        # Applied on the device to the requests' pixels as the tower takes them (`_encode`): a server hands over raw
-        # uint8 patches and normalizes them on the GPU.
+        # Applied on the device to the requests' image pixels as the tower takes them (`_encode`): a server hands over
+        # raw uint8 patches and normalizes them on the GPU.
         self.pixel_transform = pixel_transform
         self.input_queue = queue.Queue(max_queue_size)
         self.output_queue = queue.Queue()
@@ -676,7 +676,7 @@ class GraphBatchingManager:
                          if key in sequence.prompt]
                 if parts:
                     joined[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
-                    if key in PIXELS and self.pixel_transform is not None:
+                    if key == "pixel_values" and self.pixel_transform is not None:
                         joined[key] = self.pixel_transform(joined[key])
             media = media_features(self.model, joined)
             done = _event() if side is not None else None

@@ -188,8 +188,7 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     eagerly for want of a graph. Per admitted request, how long it waited in the batch for its prefill's launch, and
     from that launch to the batch reading its first token. The GPU time decoding rows waited for a prefill beside them,
     per launch (its rows' count of steps ran out before it was through). Of the requests with images, the share the
-    tower encoded beside a decode chunk rather than as they entered. Per admitted request, the engine process's time
-    normalizing its image patches (one request after another, as they come in)."""
+    tower encoded beside a decode chunk rather than as they entered."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 

@@ -183,10 +183,8 @@ class _Engine:
         kind, job_id, request_ids, inputs, settings = message
         tensors = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value
                    for key, value in inputs.items()}
-        if self.normalizer is not None:
-            for key in ("pixel_values", "pixel_values_videos"):
-                if key in tensors:
-                    self.normalizer.check(tensors[key])
+        if self.normalizer is not None and "pixel_values" in tensors:  # the image processor's: images only
+            self.normalizer.check(tensors["pixel_values"])
         return kind, job_id, request_ids, tensors, settings
 
     # -- the loop -------------------------------------------------------------------------------------------

@@ -341,8 +341,8 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
         graphs), which later `generate` calls use too; one log line says what was chosen and why. Waiting prompts
         enter `max_prefill_tokens` at a time, prefilled beside the chunks of decode steps. `tokenizer` decodes answers
         for requests with `stop_strings`. `pixel_transform`: a function applied on the model's device to the requests'
-        `pixel_values` / `pixel_values_videos` (joined) before the vision tower, e.g. normalizing raw uint8 patches
-        there, as the server does; every request's pixels are then what it takes."""
+        `pixel_values` (joined; not videos') before the vision tower, e.g. normalizing raw uint8 patches there, as the
+        server does; every request's image pixels are then what it takes."""
         self._size_cache(max_batch_size, static_cache_len, gpu_memory_utilization, max_prefill_tokens, requests)
         return GraphBatchingManager(self, generation_config, max_queue_size, max_prefill_tokens, tokenizer,
                                     pixel_transform)

@@ -77,10 +77,11 @@ class PixelNormalizer:
 
     def __call__(self, patches: torch.Tensor) -> torch.Tensor:
         """float32 patches from uint8 ones `(patches, channels * rest)`, on their device: each channel's values are
-        contiguous."""
+        contiguous. Raises a `ValueError` for others (float patches would otherwise come out as wrong numbers)."""
+        self.check(patches)
         rows, width = patches.shape
         channels = len(self.mean)
-        per_channel = patches.view(rows, channels, width // channels)
+        per_channel = patches.reshape(rows, channels, width // channels)
         constants = self._on(patches.device)
         if self.channels_fused:  # (x - mean / factor) / (std / factor), cheap in float32
             mean, std = constants

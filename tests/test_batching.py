@@ -675,7 +675,8 @@ def test_images_are_encoded_ahead_of_their_prefill_while_rows_decode(monkeypatch
 def test_a_pixel_transform_takes_raw_patches_to_the_tower():
     """Requests whose images come as raw uint8 patches (the processor's rescaling and normalizing off, as the server
     hands them over) generate as the processor's float patches do, once the manager's `pixel_transform` normalizes
-    them on the device: encoded ahead of their prefill beside a decoding row and at their admission alike."""
+    them on the device: encoded ahead of their prefill beside a decoding row and at their admission alike. A request
+    whose pixels the transform does not take fails alone."""
     ours, stock = new_pair(max_batch_size=2)
     generator = np.random.default_rng(3)
     pictures = [Image.fromarray(generator.integers(0, 256, (48 + 16 * index, 64, 3), dtype=np.uint8))
@@ -686,10 +687,18 @@ def test_a_pixel_transform_takes_raw_patches_to_the_tower():
     raw = [{**request, "pixel_values": PixelNormalizer.raw_patches(tiny_image_processor(), [picture])}
            for request, picture in zip(requests, pictures)] + requests[3:]
     assert all(request["pixel_values"].dtype == torch.uint8 for request in raw[:3])
-    results = ours.init_continuous_batching(pixel_transform=normalizer).generate_all(raw, progress_bar=False)
+    manager = ours.init_continuous_batching(pixel_transform=normalizer)
+    results = manager.generate_all(raw, progress_bar=False)
     assert [result.generated_tokens for result in results.values()] == expected
+    assert manager.stats["encoded_ahead"] and manager.stats["encoded_at_admission"]  # both ways to the tower
     untransformed = ours.init_continuous_batching().generate_all(raw[:1], progress_bar=False)
     assert untransformed["req_0"].generated_tokens != expected[0]  # the transform is what makes them equal
+    # Float patches are not what this transform takes: that request fails, alone.
+    mixed = ours.init_continuous_batching(pixel_transform=normalizer).generate_all([requests[0], raw[1]],
+                                                                                   progress_bar=False)
+    failed, finished = mixed.values()
+    assert failed.status == RequestStatus.FAILED and "must be uint8" in failed.error
+    assert finished.generated_tokens == expected[1]
 
 
 def test_media_that_cannot_be_encoded_fail_their_request_alone(monkeypatch):

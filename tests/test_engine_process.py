@@ -93,7 +93,8 @@ def test_requests_cross_with_their_settings_and_uint8_patches_for_the_device(eng
     assert first["streaming"] and first["max_new_tokens"] == 4 and first["seed"] == 1
     assert manager.added["job-1"]["seed"] == 2
     assert torch.equal(first["input_ids"], torch.tensor([[5, 6, 7]]))
-    assert torch.equal(first["pixel_values"], patches)  # as they crossed: the batch normalizes them on the device
+    assert first["pixel_values"].dtype == torch.uint8 and torch.equal(first["pixel_values"], patches)  # as they
+    # crossed: the batch normalizes them on the device
 
 
 def test_outputs_reach_their_own_client_with_every_token_so_far(engine):
@@ -130,9 +131,10 @@ def test_the_queue_bound_counts_every_clients_requests_and_bad_inputs_fail_alone
         assert await first.submit("a", ["a-0", "a-1"], ids, [{}, {}], [lambda _: None] * 2) is None
         status, message = await second.submit("b", ["b-0", "b-1"], ids, [{}, {}], [lambda _: None] * 2)
         assert status == 503 and "The server is full: 2 requests" in message and "at most 3" in message
-        odd = {**ids, "pixel_values": torch.zeros(2, 7, dtype=torch.uint8)}  # 7 values: not 3 channels' worth
-        status, message = await second.submit("c", ["c-0"], odd, [{}], [lambda _: None])
-        assert status == 400 and "could not be read" in message
+        for odd in (torch.zeros(2, 7, dtype=torch.uint8), torch.zeros(2, 6)):  # 7 values: not 3 channels' worth;
+            odd = {**ids, "pixel_values": odd}  # float: not what the batch's normalizer takes
+            status, message = await second.submit("c", ["c-0"], odd, [{}], [lambda _: None])
+            assert status == 400 and "could not be read" in message and "must be uint8" in message
         assert await second.submit("d", ["d-0"], ids, [{}], [lambda _: None]) is None
         manager.emit("a-0", [3], RequestStatus.FINISHED)  # a row frees (before the counters are asked for)
         stats = await second.stats()

@@ -1,4 +1,5 @@
-"""The server's uint8 image patches, normalized by the engine's batch on the device: bit for bit what the processor gives."""
+"""The server's uint8 image patches, normalized by the engine's batch on the device: bit for bit what the processor
+gives."""
 
 from types import SimpleNamespace
 
