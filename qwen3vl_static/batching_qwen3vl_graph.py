@@ -32,8 +32,7 @@ A background thread owns the batch. Each turn of its loop
 5. takes new requests in while the GPU runs that chunk (`_prepare`, on the host: inputs checked, settings resolved,
    M-RoPE positions computed; a bad request fails alone here, before anything is written), as many as keep two
    prefill budgets waiting, and cancellations (an idle batch takes them in first, waiting for them);
-6. runs the vision tower over the images of the requests next in line (a prefill budget of them a turn), on the
-   side stream beside that chunk;
+6. runs the vision tower over the images of the requests next in line, on the side stream beside that chunk;
 7. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
    request by its own rules (EOS ids, max_new_tokens, stop strings, cancellation) and streams tokens.
 No graph is captured per request: decode graphs are keyed by (batch bucket, KV bucket, mode), and the row is data.
@@ -641,17 +640,9 @@ class GraphBatchingManager:
     def _media_ahead(self, scheduler, engine) -> None:
         """The images and videos of the requests next in line (`AHEAD_BUDGETS` prefill budgets) encoded now, on the
         model's side stream while the GPU runs the decode chunk just queued: their prefill then starts from the
-        features. At most one budget of prompts a turn: the side stream runs its work in order, so the prefill of
-        those encoded before would otherwise queue behind the tower's work for every request waiting (a wave of
-        arrivals); a turn admits a budget, and the next one's are encoded meanwhile. A request whose media cannot be
-        encoded fails alone."""
-        pending, tokens = [], 0
-        for sequence in scheduler.upcoming(AHEAD_BUDGETS * self.max_prefill_tokens):
-            if _unencoded(sequence):
-                if pending and tokens + sequence.prompt_len > self.max_prefill_tokens:
-                    break
-                pending.append(sequence)
-                tokens += sequence.prompt_len
+        features. A request whose media cannot be encoded fails alone."""
+        upcoming = scheduler.upcoming(AHEAD_BUDGETS * self.max_prefill_tokens)
+        pending = [sequence for sequence in upcoming if _unencoded(sequence)]
         try:
             self._encode(pending, engine, ahead=True)
         except Exception:  # noqa: BLE001 - one by one: only a bad request fails

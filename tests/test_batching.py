@@ -756,26 +756,6 @@ def test_while_rows_decode_an_image_request_enters_once_encoded_beside_a_chunk(m
     assert (manager.stats["encoded_ahead"], manager.stats["encoded_at_admission"]) == (1, 0)
 
 
-def test_images_ahead_are_encoded_a_budget_a_turn_between_the_prefills(monkeypatch):
-    """While rows decode, the tower's work ahead is queued one prefill budget of prompts a turn: the side stream runs
-    its work in order, so a prefill queued after the tower's work for every waiting request would wait for all of it.
-    With a budget of two image prompts and four waiting behind a decoding row, the first two are encoded, prefilled
-    the turn after while the last two are encoded, and so on; every answer is as alone."""
-    ours, stock = new_pair(max_batch_size=8)
-    requests, expected = requests_and_expected(stock, 5, lengths=[30, 4, 4, 4, 4], cases=[TEXT] + [CASES[0]] * 4)
-    events = record_work(ours)
-    encode = batching.media_features
-    monkeypatch.setattr(batching, "media_features", lambda model, inputs: events.append(
-        ("encode", inputs["image_grid_thw"].shape[0])) or encode(model, inputs))
-    budget = 2 * requests[1]["input_ids"].shape[1]
-    results = ours.init_continuous_batching(max_prefill_tokens=budget).generate_all(requests, progress_bar=False)
-    assert [result.generated_tokens for result in results.values()] == expected
-    # The text and one image enter first (the image encoded at its prefill); then the three left, two and one.
-    work = [event for event in events if event[0] != "decode"]
-    assert work == [("prefill", 1), ("encode", 1), ("prefill", 1), ("encode", 2), ("prefill", 2), ("encode", 1),
-                    ("prefill", 1)]
-
-
 def test_warmup_captures_every_mode_a_batch_without_penalties_takes(monkeypatch):
     """`manager.warmup()` asks the model for the decode modes `batch_mode` gives rows of greedy, top-k and plain
     sampled requests, in every mix."""
