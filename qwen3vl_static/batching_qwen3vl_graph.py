@@ -291,13 +291,15 @@ class GraphBatchingManager:
         self._thread = None
         self.error = None  # what ended the batch itself, if anything did
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, GPU ms that decoding rows waited for
-        # prefills as their rows began decoding (their count of steps beside them ran out first), host ms waiting for
+        # prefills as their rows began decoding (their count of steps beside them ran out first) and from a prefill's
+        # end to its rows beginning (the count ran out after it: time the rows could have decoded), host ms waiting for
         # the GPU and issuing admissions, decode steps, row-steps queued (rows covered x steps) and of them held by a
         # request, prefill launches (of them run eagerly for want of a graph, and launched while rows decoded: beside
         # them) and the requests they admitted, the ms the admitted requests waited from `add_request` to their
         # prefill's launch and from it to the host reading their first token (any device), requests with images encoded
         # ahead (beside a chunk) and at their admission.
-        self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "activation_wait_ms", "host_wait_ms", "admit_host_ms",
+        self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "activation_wait_ms", "activation_slack_ms",
+                                    "host_wait_ms", "admit_host_ms",
                                     "chunks", "steps", "row_steps", "request_steps", "prefills", "eager_prefills",
                                     "prefills_beside", "admitted", "admission_wait_ms", "first_token_ms",
                                     "encoded_ahead", "encoded_at_admission"), 0)
@@ -957,8 +959,10 @@ class GraphBatchingManager:
             if prefilled.done is not None:
                 stream, before = torch.cuda.current_stream(), _event() if beside else None
                 stream.wait_event(prefilled.done)
-                if beside:
-                    self._spans.append(("activation_wait_ms", before, _event()))
+                if beside:  # the wait's end: the prefill's end, or the rows' turn where that came before
+                    joined = _event()
+                    self._spans += [("activation_wait_ms", before, joined), ("activation_slack_ms", prefilled.done,
+                                                                             joined)]
                 logits.record_stream(stream)  # made on the side stream, read on this one
             rows = to_device(torch.tensor([sequence.row for sequence in part]), device)  # compaction may move rows
             settings = {name: to_device(torch.tensor([sequence.sampling[name] for sequence in part]), device)

@@ -421,7 +421,8 @@ def report(summary, out_dir: Path) -> Path:
                                      "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50", "tokens_per_chunk",
                                      "client_cores_busy", "server_cores_busy", "gpu_prefill_busy", "gpu_decode_busy",
                                      "requests_per_prefill", "prefill_beside_share", "prefill_gpu_ms_mean",
-                                     "activation_wait_ms_per_prefill", "admit_host_ms_mean", "eager_prefill_share",
+                                     "activation_wait_ms_per_prefill", "activation_slack_ms_per_prefill",
+                                     "admit_host_ms_mean", "eager_prefill_share",
                                      "engine_cores_busy", "answers_as_asked"])
         for key, value in server.items():
             if "_generate" in key:

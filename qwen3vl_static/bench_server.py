@@ -187,8 +187,9 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     thread's host time issuing it (where that comes near the GPU time, the host bounds admissions) and whether it ran
     eagerly for want of a graph. Per admitted request, how long it waited in the batch for its prefill's launch, and
     from that launch to the batch reading its first token. The GPU time decoding rows waited for a prefill beside them,
-    per launch (its rows' count of steps ran out before it was through). Of the requests with images, the share the
-    tower encoded beside a decode chunk rather than as they entered."""
+    per launch (its rows' count of steps ran out before it was through), and from its end to its rows beginning (the
+    count ran out after it). Of the requests with images, the share the tower encoded beside a decode chunk rather
+    than as they entered."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
@@ -206,6 +207,7 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             / max(grown("admitted_requests_total"), 1),
             "prefill_beside_share": grown("prefills_beside_total") / max(prefills, 1),
             "activation_wait_ms_per_prefill": 1000 * grown("gpu_activation_wait_seconds_total") / max(prefills, 1),
+            "activation_slack_ms_per_prefill": 1000 * grown("gpu_activation_slack_seconds_total") / max(prefills, 1),
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),
             "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds,

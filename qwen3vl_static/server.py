@@ -58,6 +58,8 @@ METRICS = {
     "decode_ms": ("qwen3vl_static_gpu_decode_seconds_total", 1e-3, "GPU time in decode steps"),
     "activation_wait_ms": ("qwen3vl_static_gpu_activation_wait_seconds_total", 1e-3,
                            "GPU time decoding rows waited for a prefill beside them to finish as its rows began"),
+    "activation_slack_ms": ("qwen3vl_static_gpu_activation_slack_seconds_total", 1e-3,
+                            "GPU time from a prefill beside decoding rows finishing to its rows beginning"),
     "host_wait_ms": ("qwen3vl_static_host_wait_seconds_total", 1e-3, "time the batch's thread waited for the GPU"),
     "admit_host_ms": ("qwen3vl_static_admit_host_seconds_total", 1e-3,
                       "time the batch's thread spent admitting requests (their prefills issued)"),

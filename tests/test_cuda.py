@@ -271,6 +271,11 @@ def test_continuous_batching_graph_equals_eager_and_agrees_with_stock(models, ma
     finally:
         manager.stop()
     assert [result.error for result in streamed] == [None] * len(requests)
+    # Rows that join decoding rows after a prefill beside them wait for it on the GPU or begin after its end: GPU time
+    # from the one to the other is counted (`activation_wait_ms`, `activation_slack_ms`), never below zero.
+    stats = manager.stats
+    assert stats["prefills_beside"] > 0 and min(stats["activation_wait_ms"], stats["activation_slack_ms"]) >= 0
+    assert stats["activation_wait_ms"] + stats["activation_slack_ms"] > 0
     decisive = 0
     for request, generated in zip(requests * 2, tokens[True] + [result.generated_tokens for result in streamed]):
         assert len(generated) == request["max_new_tokens"]  # no EOS (generate_exactly_as_asked)
