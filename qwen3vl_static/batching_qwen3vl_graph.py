@@ -299,10 +299,9 @@ class GraphBatchingManager:
         # prefill's launch and from it to the host reading their first token (any device), requests with images encoded
         # ahead (beside a chunk) and at their admission.
         self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "activation_wait_ms", "activation_slack_ms",
-                                    "host_wait_ms", "admit_host_ms",
-                                    "chunks", "steps", "row_steps", "request_steps", "prefills", "eager_prefills",
-                                    "prefills_beside", "admitted", "admission_wait_ms", "first_token_ms",
-                                    "encoded_ahead", "encoded_at_admission"), 0)
+                                    "host_wait_ms", "admit_host_ms", "chunks", "steps", "row_steps", "request_steps",
+                                    "prefills", "eager_prefills", "prefills_beside", "admitted", "admission_wait_ms",
+                                    "first_token_ms", "encoded_ahead", "encoded_at_admission"), 0)
         self._spans = deque()  # (stat, CUDA event before, after) of GPU time not counted in `stats` yet
         self._side_work = SideWork(None)  # the batch's (`_loop`)
 
@@ -961,8 +960,8 @@ class GraphBatchingManager:
                 stream.wait_event(prefilled.done)
                 if beside:  # the wait's end: the prefill's end, or the rows' turn where that came before
                     joined = _event()
-                    self._spans += [("activation_wait_ms", before, joined), ("activation_slack_ms", prefilled.done,
-                                                                             joined)]
+                    self._spans.append(("activation_wait_ms", before, joined))
+                    self._spans.append(("activation_slack_ms", prefilled.done, joined))
                 logits.record_stream(stream)  # made on the side stream, read on this one
             rows = to_device(torch.tensor([sequence.row for sequence in part]), device)  # compaction may move rows
             settings = {name: to_device(torch.tensor([sequence.sampling[name] for sequence in part]), device)

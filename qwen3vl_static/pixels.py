@@ -14,8 +14,7 @@ itself on an image that needs resizing, and returns None where it differs, in wh
 as they are.
 """
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ class PixelNormalizer:
     mean: tuple
     std: tuple
     channels_fused: bool  # torch's backend: (x - mean / factor) / (std / factor); PIL's: (float32(x * factor) - mean) / std
+    _constants: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> `_on`'s
 
     @classmethod
     def for_processor(cls, processor) -> "PixelNormalizer | None":
@@ -102,10 +102,6 @@ class PixelNormalizer:
                 constants = (self._table().view(-1), torch.arange(channels, dtype=torch.int32)[:, None] * 256)
             self._constants[device] = tuple(constant.to(device) for constant in constants)
         return self._constants[device]
-
-    @cached_property
-    def _constants(self) -> dict:
-        return {}
 
     def _table(self) -> torch.Tensor:
         """(channels, 256): each channel's result for each uint8 value, as the PIL backend computes it."""
