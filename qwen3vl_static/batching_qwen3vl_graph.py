@@ -17,9 +17,9 @@ A background thread owns the batch. Each turn of its loop
 1. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget) and parks
    their rows (`DecodeRunner.park`: inert, stepping only past the prompt);
 2. lets rows begin decoding (sampling settings, penalties, first token) on the batch's stream, which waits for their
-   prefill on the GPU: once the decode steps that the side stream's work up to their prefill takes are queued beside
-   it (`SideWork`: a count, so that the schedule does not depend on timing), or at once (the next turn) when no row
-   decodes;
+   prefill on the GPU: while requests stream, once the host finds the prefill done; otherwise once the decode steps
+   that the side stream's work up to their prefill takes are queued beside it (`SideWork`: a count, so that an
+   offline batch's schedule does not depend on timing); at once (the next turn) when no row decodes;
 3. queues the next chunk of `steps_per_sync` decode steps for every row in use (fewer while requests stream:
    `StreamingSteps`), sampling in the graph with each row's own parameters and seed (seeded modes:
    `DecodeRunner.sample`);
@@ -234,7 +234,7 @@ def prefill_tokens_per_step(rows: int, side) -> float:
 class SideWork:
     """The work queued on the model's `side` stream (prefills; the vision tower, `TOWER_TOKENS_PER_FEATURE` a feature)
     that the decode steps queued beside it have not yet covered, in prompt tokens: when the side stream is through it,
-    counted in decode steps rather than found by the host, so that a batch's schedule does not depend on timing. The
+    counted in decode steps rather than found by the host, for a batch whose schedule must not depend on timing. The
     stream runs its work in order: a prefill is through once everything queued before it is, so it counts from there
     (its `mark`: the work queued up to and with it). Decode steps cover work queued before them or beside them, never
     ahead of it (an idle side stream banks nothing).
@@ -258,6 +258,17 @@ class SideWork:
     def waited(self, mark: float) -> None:
         """The batch's stream waits on the GPU for the work up to `mark`."""
         self.covered = max(self.covered, mark)
+
+
+def joins_now(prefilled: _Prefilled, side_work: SideWork, follows_timing: bool) -> bool:
+    """Whether the rows of a prefill queued beside decoding rows may begin decoding now. While a request streams the
+    batch's chunks already follow the GPU's timing (`StreamingSteps`), so the rows begin as soon as the host finds the
+    prefill done on the device: no later, as their first token waits for it, and no earlier, as the decoding rows
+    would wait for it on the GPU. Otherwise once the steps queued beside it cover the side stream's work up to it
+    (`SideWork`), so that a batch's schedule, and with it each row's rounding, is the same every run."""
+    if follows_timing and prefilled.done is not None:
+        return prefilled.done.query()
+    return side_work.through(prefilled.mark)
 
 
 class GraphBatchingManager:
@@ -291,13 +302,13 @@ class GraphBatchingManager:
         self._thread = None
         self.error = None  # what ended the batch itself, if anything did
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, GPU ms that decoding rows waited for
-        # prefills as their rows began decoding (their count of steps beside them ran out first) and from a prefill's
-        # end to its rows beginning (the count ran out after it: time the rows could have decoded), host ms waiting for
-        # the GPU and issuing admissions, decode steps, row-steps queued (rows covered x steps) and of them held by a
-        # request, prefill launches (of them run eagerly for want of a graph, and launched while rows decoded: beside
-        # them) and the requests they admitted, the ms the admitted requests waited from `add_request` to their
-        # prefill's launch and from it to the host reading their first token (any device), requests with images encoded
-        # ahead (beside a chunk) and at their admission.
+        # prefills as their rows began decoding (they began before the prefill's end) and from a prefill's end to its
+        # rows beginning (time the rows could have decoded), host ms waiting for the GPU and issuing admissions, decode
+        # steps, row-steps queued (rows covered x steps) and of them held by a request, prefill launches (of them run
+        # eagerly for want of a graph, and launched while rows decoded: beside them) and the requests they admitted,
+        # the ms the admitted requests waited from `add_request` to their prefill's launch and from it to the host
+        # reading their first token (any device), requests with images encoded ahead (beside a chunk) and at their
+        # admission.
         self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "activation_wait_ms", "activation_slack_ms",
                                     "host_wait_ms", "admit_host_ms", "chunks", "steps", "row_steps", "request_steps",
                                     "prefills", "eager_prefills", "prefills_beside", "admitted", "admission_wait_ms",
@@ -532,16 +543,15 @@ class GraphBatchingManager:
             # parking only), so that the GPU runs the chunk while the host issues them.
             parts = self._parts(entered, engine)
             parked = _event() if parts and side is not None else None
-            # Prompts prefilled beside decoding rows join them once the side stream is through their prefill by the
-            # count of steps queued beside it, or at once when no row decodes; the batch's stream waits for the
-            # prefill on the GPU.
-            ready = [part for part in prefilled if side_work.through(part.mark) or not decoding_rows]
+            # Prompts prefilled beside decoding rows join them once their prefill is through (`joins_now`), or at
+            # once when no row decodes; the batch's stream waits for the prefill on the GPU.
+            follows_timing = any(sequence.streaming for sequence in scheduler.running.values())
+            ready = [part for part in prefilled if not decoding_rows or joins_now(part, side_work, follows_timing)]
             chunk = None
             if ready:
                 prefilled = [part for part in prefilled if part not in ready]
                 chunk = _Chunk(None, {}, 0, *self._activate(ready, engine, decoding_rows))
-                if not decoding_rows:
-                    side_work.waited(max(part.mark for part in ready))
+                side_work.waited(max(part.mark for part in ready))
             decoding = {row: sequence for row, sequence in scheduler.running.items() if sequence.decoding}
             streams = any(sequence.streaming for sequence in decoding.values())
             steps = streaming_steps.next(behind) if streams else runner.steps_per_sync

@@ -584,6 +584,32 @@ def test_prefills_beside_decoding_rows_count_from_the_side_streams_work_before_t
     assert any(launches[key][0] > launches[key][1] for key in beside)  # one entered behind another's work
 
 
+def test_rows_beside_a_prefill_join_by_the_step_count_or_while_requests_stream_when_the_device_is_done():
+    """`joins_now`: an offline batch's rows begin once the steps queued beside their prefill cover the side stream's
+    work up to it, whatever the device has done (the same schedule every run); while requests stream (chunks that
+    already follow the GPU's timing) once the host finds the prefill's event done, whatever the count says."""
+    from qwen3vl_static.batching_qwen3vl_graph import SideWork, _Prefilled, joins_now
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    work = SideWork(side="a stream")
+    work.add(1000)
+    work.stepped(2, rows=64)  # 2 x (200 + 3 x 64) = 784 tokens covered of 1,000
+    early, late = (_Prefilled([], None, None, None, done=Event(done), mark=mark)
+                   for done, mark in ((True, 1000), (False, 500)))
+    assert not joins_now(early, work, follows_timing=False) and joins_now(late, work, follows_timing=False)
+    assert joins_now(early, work, follows_timing=True) and not joins_now(late, work, follows_timing=True)
+    untimed = _Prefilled([], None, None, None, done=None, mark=1000)  # no event to ask: the count
+    assert not joins_now(untimed, work, follows_timing=True)
+    work.waited(1000)
+    assert joins_now(untimed, work, follows_timing=True)
+
+
 def test_an_image_prefill_beside_decoding_rows_counts_its_towers_work_before_it(monkeypatch):
     """The side stream runs an image request's tower (encoded ahead, beside a chunk) before its prefill, so its rows
     begin decoding after the steps of both: its features count `TOWER_TOKENS_PER_FEATURE` prompt tokens each."""
