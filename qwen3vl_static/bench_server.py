@@ -172,6 +172,27 @@ def summarize(answers: list, seconds: float, new_tokens: int = NEW_TOKENS) -> di
                                     for answer, count in zip(answers, tokens))}
 
 
+def server_split(log: str, ttft_ms_p50: float) -> dict:
+    """A row's time to first token split by the server's log lines of its requests (`log`: what the server logged
+    during the row), p50 / p99 each: a request's read and render in its HTTP process, the engine's taking it, its first
+    token back from the engine after the hand-over (intake, the wait for a row and an admission, the prefill, the chunk
+    that reads its token, the message back), its first text sent after its body began to be read (the server's whole
+    share); and the clients' TTFT p50 less that share's p50 (`ttft_outside_server_ms`: the client's own loop, the
+    connection and the framework's parts before and after the handler)."""
+    found = {name: [float(ms) for ms in re.findall(pattern, log)] for name, pattern in (
+        ("server_read_and_render_ms", r"read and rendered in ([0-9.]+) ms"),
+        ("engine_intake_ms", r"taken by the engine in ([0-9.]+) ms"),
+        ("engine_first_token_ms", r"first token back from the engine ([0-9.]+) ms after"),
+        ("server_first_text_ms", r"first text sent ([0-9.]+) ms after"))}
+    split = {}
+    for name, values in found.items():
+        if values:
+            split |= {f"{name}_p50": statistics.median(values), f"{name}_p99": percentile(values, 0.99)}
+    if "server_first_text_ms_p50" in split:
+        split["ttft_outside_server_ms"] = ttft_ms_p50 - split["server_first_text_ms_p50"]
+    return split
+
+
 def metrics(base: str) -> dict:
     """The server's GET /metrics counters by name."""
     import httpx
@@ -187,9 +208,9 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     thread's host time issuing it (where that comes near the GPU time, the host bounds admissions) and whether it ran
     eagerly for want of a graph. Per admitted request, how long it waited in the batch for its prefill's launch, and
     from that launch to the batch reading its first token. The GPU time decoding rows waited for a prefill beside them,
-    per launch (its rows' count of steps ran out before it was through), and from its end to its rows beginning (the
-    count ran out after it). Of the requests with images, the share the tower encoded beside a decode chunk rather
-    than as they entered."""
+    per launch (its rows began before it was through), and from its end to its rows beginning (time they could have
+    decoded). Of the requests with images, the share the tower encoded beside a decode chunk rather than as they
+    entered."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
@@ -309,6 +330,7 @@ def server_rows(args) -> dict:
             for level in levels:
                 bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
                 client_cpu, server_cpu, counters = process_cpu_s(), process_cpu_s(process.pid), metrics(base)
+                logged = log.stat().st_size
                 answers, seconds = asyncio.run(closed_loop(base, bodies, level))
                 # Cores busy on average: a client near 1 is the measurement's own limit; the server's are its
                 # processes' together (the engine's alone: engine_cores_busy, from /metrics).
@@ -316,6 +338,9 @@ def server_rows(args) -> dict:
                          "server_cores_busy": (process_cpu_s(process.pid) - server_cpu) / seconds}
                 row = {"run": run, "concurrency": level, **summarize(answers, seconds), **cores,
                        **batch_counters(counters, metrics(base), seconds)}
+                with log.open("rb") as file:  # what the server logged during the row: its requests' lines
+                    file.seek(logged)
+                    row |= server_split(file.read().decode(errors="replace"), row["ttft_ms_p50"])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if run == "second" and level == levels[0]:
@@ -334,16 +359,8 @@ def server_rows(args) -> dict:
     agreeing = [tokens_agreeing(answer["text"], tokens, processor)
                 for answer, tokens in zip(first_level_answers, expected)]
     text = log.read_text()
-    rendered = [float(ms) for ms in re.findall(r"read and rendered in ([0-9.]+) ms", text)]
-    taken = [float(ms) for ms in re.findall(r"taken by the engine in ([0-9.]+) ms", text)]
-    first = [float(ms) for ms in re.findall(r"first token back from the engine ([0-9.]+) ms after", text)]
     http_processes, render_threads = served_processes(text)
     return {"rows": rows, "server_start_s": start_s, "server_log_tail": text[-4000:],
-            "server_read_and_render_ms_p50": statistics.median(rendered),
-            "server_read_and_render_ms_p99": percentile(rendered, 0.99),
-            "engine_intake_ms_p50": statistics.median(taken), "engine_intake_ms_p99": percentile(taken, 0.99),
-            "engine_first_token_ms_p50": statistics.median(first),
-            "engine_first_token_ms_p99": percentile(first, 0.99),
             f"concurrency_{levels[0]}_answers_equal_generate": f"{agreeing.count(NEW_TOKENS)}/{len(agreeing)}",
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "kv_cache_dtype": args.kv_cache_dtype,

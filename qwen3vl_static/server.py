@@ -267,6 +267,7 @@ class Job:
         self._cancel_request = cancel_request
         self._watcher = None
         self.handed_over = None  # when it went to the engine, until its first token came back (then logged, None)
+        self.received = None  # when its body began to be read, until its first text goes out (then logged, None)
 
     async def updates(self):
         """(choice index, new text, finish reason or None) as the choices' tokens come, until every choice is done.
@@ -505,6 +506,7 @@ class OpenAIServer:
             if patches is None:  # the engine's start-up check found them whole: a processor that changed since
                 raise RuntimeError("the processor's unnormalized image patches are not whole numbers")
             inputs = {**inputs, "pixel_values": patches}
+        job.received = received
         job.handed_over = rendered = time.perf_counter()
         refusal = await self.engine.submit(job_id, [answer.request_id for answer in answers], inputs, settings,
                                            [partial(self._deliver, job, index) for index in range(body.n)])
@@ -560,6 +562,10 @@ class OpenAIServer:
                     yield event([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
             async for index, delta, finish_reason in job.updates():
+                if delta and job.received is not None:  # the server's whole share of the time to first token
+                    logger.info("%s: first text sent %.1f ms after the request was read", job.id,
+                                1000 * (time.perf_counter() - job.received))
+                    job.received = None
                 yield event([_choice(chat, index, delta, finish_reason, delta=True)])
             if job.error() is not None:
                 yield f"data: {json.dumps(self._failed(job).body())}\n\n"

@@ -24,7 +24,8 @@ import torch
 from conftest import image, save_stock_checkpoint
 from openai import BadRequestError, OpenAI
 
-from qwen3vl_static.bench_server import batch_counters, chat_body, closed_loop, metrics, served_processes, summarize
+from qwen3vl_static.bench_server import (batch_counters, chat_body, closed_loop, metrics, served_processes, server_split,
+                                         summarize)
 from qwen3vl_static.convert import convert
 from qwen3vl_static.dataset_runner import load_processor
 from qwen3vl_static.media import MediaError, MediaLimits, fetch_image
@@ -413,8 +414,11 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     assert counters["admit_host_ms_mean"] > 0 and counters["prefill_gpu_ms_mean"] == counters["eager_prefill_share"] == 0
     assert 1 <= counters["steps_per_chunk"] <= 8
     assert 0 <= counters["encoded_ahead_share"] <= 1
-    # Each request's log says how long the engine took to send its first token back (the benchmark's TTFT split).
-    assert len(re.findall(r"first token back from the engine [0-9.]+ ms after", server.log_text()[seen:])) == 4
+    # Each request's log lines split its time to first token (the benchmark's): each part within the whole, and the
+    # server's share within what the client saw.
+    log = server.log_text()[seen:]
+    assert len(re.findall(r"first token back from the engine [0-9.]+ ms after", log)) == 4
+    assert len(re.findall(r"first text sent [0-9.]+ ms after", log)) == 4
     for answer, body in zip(answers, bodies):
         image_part, text_part = body["messages"][0]["content"]
         picture = asyncio.run(fetch_image(image_part["image_url"]["url"], MediaLimits(), client=None))
@@ -425,6 +429,10 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
         assert answer["text"] == processor.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         assert answer["sent"] < answer["arrivals"][0] and len(answer["arrivals"]) > 1
     row = summarize(answers, seconds, new_tokens=12)
+    split = server_split(log, row["ttft_ms_p50"])
+    assert 0 < split["engine_first_token_ms_p50"] <= split["server_first_text_ms_p50"] <= row["ttft_ms_p50"]
+    assert split["server_read_and_render_ms_p50"] > 0 and split["engine_intake_ms_p50"] >= 0
+    assert split["ttft_outside_server_ms"] == pytest.approx(row["ttft_ms_p50"] - split["server_first_text_ms_p50"])
     assert row["requests"] == 4 and row["answers_as_asked"] == 4
     assert row["output_tokens_per_s"] == pytest.approx(4 * 12 / seconds)
     assert 1 <= row["tokens_per_chunk"] < 12 and row["ttft_ms_p50"] > 0 and row["itl_ms_p99"] >= row["itl_ms_p50"]
