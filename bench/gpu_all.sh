@@ -5,11 +5,21 @@
 # (gpu-all.log), the benchmark's JSON and PNG, and each probe's JSON.
 # BENCH_RUNS="--fp8;--model 8b --fp8" runs the benchmark once per ';'-separated entry, each with the bench args and
 # then the entry's own (default: one run with the bench args); each model writes its own JSON.
+# `--server` needs the serve extra, which the GPU machine lacks: carry its wheels in .whl/serve/ (ignored by git), got
+# once with
+#   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl/serve \
+#     "fastapi>=0.115" "pydantic>=2.5" "uvicorn>=0.30"
+# and they are installed into a side directory first.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
 log="$out/gpu-all.log"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G ".whl/serve/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-serve .whl/serve/*.whl
+  export PYTHONPATH=/tmp/site-serve:$PYTHONPATH
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$log"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$log"
 bench_args=("$@")
