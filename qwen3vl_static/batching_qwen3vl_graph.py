@@ -306,13 +306,13 @@ class GraphBatchingManager:
         # rows beginning (time the rows could have decoded), host ms waiting for the GPU and issuing admissions, decode
         # steps, row-steps queued (rows covered x steps) and of them held by a request, prefill launches (of them run
         # eagerly for want of a graph, and launched while rows decoded: beside them) and the requests they admitted,
-        # the ms the admitted requests waited from `add_request` to their prefill's launch and from it to the host
-        # reading their first token (any device), requests with images encoded ahead (beside a chunk) and at their
-        # admission.
+        # the ms the admitted requests waited from `add_request` to their prefill's launch (of it, in the input queue
+        # until this thread took them in) and from it to the host reading their first token (any device), requests
+        # with images encoded ahead (beside a chunk) and at their admission.
         self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "activation_wait_ms", "activation_slack_ms",
                                     "host_wait_ms", "admit_host_ms", "chunks", "steps", "row_steps", "request_steps",
                                     "prefills", "eager_prefills", "prefills_beside", "admitted", "admission_wait_ms",
-                                    "first_token_ms", "encoded_ahead", "encoded_at_admission"), 0)
+                                    "queued_ms", "first_token_ms", "encoded_ahead", "encoded_at_admission"), 0)
         self._spans = deque()  # (stat, CUDA event before, after) of GPU time not counted in `stats` yet
         self._side_work = SideWork(None)  # the batch's (`_loop`)
 
@@ -618,6 +618,7 @@ class GraphBatchingManager:
             except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
                 self._fail_unprepared(item, f"{type(error).__name__}: {error}")
                 continue
+            sequence.taken_in = time.perf_counter()
             scheduler.add(sequence)
             waiting += sequence.prompt_len
         while True:
@@ -901,6 +902,7 @@ class GraphBatchingManager:
         """The admission wait of requests whose prefill was just launched: from `add_request` to now."""
         now = time.perf_counter()
         self.stats["admission_wait_ms"] += sum(1000 * (now - sequence.output.created_time) for sequence in part)
+        self.stats["queued_ms"] += sum(1000 * (sequence.taken_in - sequence.output.created_time) for sequence in part)
         for sequence in part:
             sequence.launched = now
 

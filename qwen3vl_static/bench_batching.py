@@ -58,6 +58,7 @@ def continuous(model, prompts, lengths, max_batch_size=None, **manager_settings)
     ttft = [1000 * (result.timestamps[0] - result.created_time) for result in results.values()]
     stats = dict(manager.stats)
     wait = stats.pop("admission_wait_ms")  # on the host's clock, from add_request: per request below
+    queued = stats.pop("queued_ms")  # of it, until the batch's thread took the request in
     first_read = stats.pop("first_token_ms")  # from the prefill's launch to the host reading the first token
     row = {"seconds": seconds, "useful_tokens_per_s": sum(lengths) / seconds, "requests_per_s": len(results) / seconds,
            "rows": model.config.max_batch_size, "static_cache_len": model.config.static_cache_len,
@@ -66,6 +67,7 @@ def continuous(model, prompts, lengths, max_batch_size=None, **manager_settings)
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
            **{f"gpu_{key}" if key.endswith("_ms") else key: value for key, value in stats.items()},
            "admission_wait_ms_mean": wait / max(stats["admitted"], 1),
+           "admission_queued_ms_mean": queued / max(stats["admitted"], 1),
            "first_token_read_ms_mean": first_read / max(stats["admitted"], 1)}
     return row, {i: result.generated_tokens for i, result in results.items()}
 

@@ -206,8 +206,9 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     launches beside decoding rows (the prefill and the steps then share the GPU), the steps per chunk (the tokens a
     stream gets at once). Per prefill launch: its GPU time (a vision tower still running beside it included), the batch
     thread's host time issuing it (where that comes near the GPU time, the host bounds admissions) and whether it ran
-    eagerly for want of a graph. Per admitted request, how long it waited in the batch for its prefill's launch, and
-    from that launch to the batch reading its first token. The GPU time decoding rows waited for a prefill beside them,
+    eagerly for want of a graph. Per admitted request, how long it waited in the batch for its prefill's launch (and of
+    that, in the input queue until the batch's thread took it in), and from that launch to the batch reading its first
+    token. The GPU time decoding rows waited for a prefill beside them,
     per launch (its rows began before it was through), and from its end to its rows beginning (time they could have
     decoded). Of the requests with images, the share the tower encoded beside a decode chunk rather than as they
     entered."""
@@ -223,6 +224,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "admit_host_ms_mean": 1000 * grown("admit_host_seconds_total") / max(prefills, 1),
             "eager_prefill_share": grown("eager_prefills_total") / max(prefills, 1),
             "admission_wait_ms_mean": 1000 * grown("admission_wait_seconds_total")
+            / max(grown("admitted_requests_total"), 1),
+            "admission_queued_ms_mean": 1000 * grown("admission_queued_seconds_total")
             / max(grown("admitted_requests_total"), 1),
             "first_token_read_ms_mean": 1000 * grown("first_token_read_seconds_total")
             / max(grown("admitted_requests_total"), 1),

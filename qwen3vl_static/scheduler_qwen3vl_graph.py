@@ -48,6 +48,7 @@ class Sequence:
     media: list | None = None  # its images' and videos' features once encoded (ahead of its prefill), in order
     media_done: object = None  # the CUDA event after which they are on the device (None: on the CPU)
     delivered: int = 0  # generated tokens already streamed
+    taken_in: float = 0.0  # `time.perf_counter()` when the batch took it in (checked, out of the input queue)
     launched: float = 0.0  # `time.perf_counter()` when its prefill was launched
     cancelled: bool = False
     done: bool = False

@@ -73,6 +73,8 @@ METRICS = {
     "admitted": ("qwen3vl_static_admitted_requests_total", 1, "requests that entered the batch"),
     "admission_wait_ms": ("qwen3vl_static_admission_wait_seconds_total", 1e-3,
                           "time the admitted requests waited from reaching the batch to their prefill's launch"),
+    "queued_ms": ("qwen3vl_static_admission_queued_seconds_total", 1e-3,
+                  "of the admission wait, the time the admitted requests waited to be taken in by the batch's thread"),
     "first_token_ms": ("qwen3vl_static_first_token_read_seconds_total", 1e-3,
                        "time the admitted requests waited from their prefill's launch to the batch reading their first "
                        "token"),

@@ -105,6 +105,9 @@ def test_admissions_keep_to_the_token_budget_between_decode_chunks():
     # pair entered after the first pair's first tokens were read (turn 6 against turn 2), so waited longer than those.
     first = sorted(1000 * (result.timestamps[0] - result.created_time) for result in results.values())
     assert stats["admitted"] == 12 and 2 * first[0] - 1 <= stats["admission_wait_ms"] <= sum(first)
+    # Of that wait, the part in the input queue (until the batch's thread took them in): all were added before the
+    # start and are taken in a little each turn, so some waited there, and never longer than their whole wait.
+    assert 0 < stats["queued_ms"] < stats["admission_wait_ms"]
     # The rest of each request's time to its first token: from its prefill's launch to the host reading that token.
     assert stats["first_token_ms"] > 0
     assert stats["admission_wait_ms"] + stats["first_token_ms"] == pytest.approx(sum(first), abs=12 * 0.5)
