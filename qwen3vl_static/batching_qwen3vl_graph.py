@@ -899,7 +899,8 @@ class GraphBatchingManager:
         return launched
 
     def _count_wait(self, part: list) -> None:
-        """The admission wait of requests whose prefill was just launched: from `add_request` to now."""
+        """The admission wait of requests whose prefill was just launched: from `add_request` to now (and of it, until
+        this thread took them in)."""
         now = time.perf_counter()
         self.stats["admission_wait_ms"] += sum(1000 * (now - sequence.output.created_time) for sequence in part)
         self.stats["queued_ms"] += sum(1000 * (sequence.taken_in - sequence.output.created_time) for sequence in part)

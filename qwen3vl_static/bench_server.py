@@ -208,10 +208,9 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     thread's host time issuing it (where that comes near the GPU time, the host bounds admissions) and whether it ran
     eagerly for want of a graph. Per admitted request, how long it waited in the batch for its prefill's launch (and of
     that, in the input queue until the batch's thread took it in), and from that launch to the batch reading its first
-    token. The GPU time decoding rows waited for a prefill beside them,
-    per launch (its rows began before it was through), and from its end to its rows beginning (time they could have
-    decoded). Of the requests with images, the share the tower encoded beside a decode chunk rather than as they
-    entered."""
+    token. The GPU time decoding rows waited for a prefill beside them, per launch (its rows began before it was
+    through), and from its end to its rows beginning (time they could have decoded). Of the requests with images, the
+    share the tower encoded beside a decode chunk rather than as they entered."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
