@@ -545,8 +545,10 @@ class GraphBatchingManager:
             parked = _event() if parts and side is not None else None
             # Prompts prefilled beside decoding rows join them once their prefill is through (`joins_now`), or at
             # once when no row decodes; the batch's stream waits for the prefill on the GPU.
-            follows_timing = any(sequence.streaming for sequence in scheduler.running.values())
-            ready = [part for part in prefilled if not decoding_rows or joins_now(part, side_work, follows_timing)]
+            ready = prefilled
+            if prefilled and decoding_rows:
+                follows_timing = any(sequence.streaming for sequence in scheduler.running.values())
+                ready = [part for part in prefilled if joins_now(part, side_work, follows_timing)]
             chunk = None
             if ready:
                 prefilled = [part for part in prefilled if part not in ready]
