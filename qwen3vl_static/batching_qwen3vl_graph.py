@@ -303,14 +303,15 @@ class GraphBatchingManager:
         self.error = None  # what ended the batch itself, if anything did
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, GPU ms that decoding rows waited for
         # prefills as their rows began decoding (they began before the prefill's end) and from a prefill's end to its
-        # rows beginning (time the rows could have decoded), host ms waiting for the GPU and issuing admissions, decode
+        # rows beginning (time the rows could have decoded), host ms waiting for the GPU, issuing admissions, taking
+        # requests in (their checks and positions) while rows decode and issuing the vision tower ahead, decode
         # steps, row-steps queued (rows covered x steps) and of them held by a request, prefill launches (of them run
         # eagerly for want of a graph, and launched while rows decoded: beside them) and the requests they admitted,
         # the ms the admitted requests waited from `add_request` to their prefill's launch (of it, in the input queue
         # until this thread took them in) and from it to the host reading their first token (any device), requests
         # with images encoded ahead (beside a chunk) and at their admission.
         self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "activation_wait_ms", "activation_slack_ms",
-                                    "host_wait_ms", "admit_host_ms", "chunks", "steps", "row_steps", "request_steps",
+                                    "host_wait_ms", "admit_host_ms", "take_in_ms", "media_ahead_host_ms", "chunks", "steps", "row_steps", "request_steps",
                                     "prefills", "eager_prefills", "prefills_beside", "admitted", "admission_wait_ms",
                                     "queued_ms", "first_token_ms", "encoded_ahead", "encoded_at_admission"), 0)
         self._spans = deque()  # (stat, CUDA event before, after) of GPU time not counted in `stats` yet
@@ -589,8 +590,12 @@ class GraphBatchingManager:
                 self.stats["admit_host_ms"] += 1000 * (time.perf_counter() - began)
                 self.stats["eager_prefills"] += engine.prefill.eager_runs - eager
                 self.stats["prefills_beside"] += len(launched) if decoding else 0
+            began = time.perf_counter()
             self._take_in(scheduler, engine, wait=False)  # on the host while the GPU runs what was just queued
+            taken = time.perf_counter()
             self._media_ahead(scheduler, engine)
+            self.stats["take_in_ms"] += 1000 * (taken - began)
+            self.stats["media_ahead_host_ms"] += 1000 * (time.perf_counter() - taken)
             if decoding:  # the chunk's steps run beside what the side stream holds, this turn's prefills and tower too
                 side_work.stepped(steps, runner.batch_size)
             # One chunk stays queued while the host reads the one before; with nothing new queued, read them all.

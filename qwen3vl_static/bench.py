@@ -423,7 +423,7 @@ def report(summary, out_dir: Path) -> Path:
                                      "requests_per_prefill", "prefill_beside_share", "prefill_gpu_ms_mean",
                                      "activation_wait_ms_per_prefill", "activation_slack_ms_per_prefill",
                                      "admit_host_ms_mean", "eager_prefill_share",
-                                     "engine_cores_busy", "server_read_and_render_ms_p50",
+                                     "engine_cores_busy", "host_wait_share", "server_read_and_render_ms_p50",
                                      "engine_first_token_ms_p50", "server_first_text_ms_p50",
                                      "ttft_outside_server_ms", "answers_as_asked"])
         for key, value in server.items():

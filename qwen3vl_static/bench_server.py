@@ -210,7 +210,9 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     that, in the input queue until the batch's thread took it in), and from that launch to the batch reading its first
     token. The GPU time decoding rows waited for a prefill beside them, per launch (its rows began before it was
     through), and from its end to its rows beginning (time they could have decoded). Of the requests with images, the
-    share the tower encoded beside a decode chunk rather than as they entered."""
+    share the tower encoded beside a decode chunk rather than as they entered. The shares of the row's time the batch's
+    thread waited for the GPU (reading a chunk's tokens: near 0, the host bounds the batch, not the GPU), issued
+    admissions, took requests in and issued the tower ahead."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
@@ -234,6 +236,10 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),
             "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds,
+            "host_wait_share": grown("host_wait_seconds_total") / seconds,
+            "admit_host_share": grown("admit_host_seconds_total") / seconds,
+            "take_in_share": grown("take_in_seconds_total") / seconds,
+            "media_ahead_host_share": grown("media_ahead_host_seconds_total") / seconds,
             "encoded_ahead_share": ahead / max(ahead + grown("requests_encoded_at_admission_total"), 1)}
 
 

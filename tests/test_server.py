@@ -414,6 +414,9 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     assert counters["admit_host_ms_mean"] > 0 and counters["prefill_gpu_ms_mean"] == counters["eager_prefill_share"] == 0
     assert 1 <= counters["steps_per_chunk"] <= 8
     assert 0 <= counters["encoded_ahead_share"] <= 1
+    shares = [counters[name] for name in ("host_wait_share", "admit_host_share", "take_in_share",
+                                          "media_ahead_host_share")]  # parts of the batch thread's time
+    assert all(share >= 0 for share in shares) and 0 < sum(shares) < 1
     # Each request's log lines split its time to first token (the benchmark's): each part within the whole, and the
     # server's share within what the client saw.
     log = server.log_text()[seen:]
