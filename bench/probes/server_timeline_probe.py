@@ -26,7 +26,7 @@ from pathlib import Path
 import harness
 import numpy as np
 
-from qwen3vl_static.bench_server import (NAME, REQUESTS_PER_CLIENT, bench_model, bench_processor, chat_body,
+from qwen3vl_static.bench_server import (NAME, bench_model, bench_processor, chat_body,
                                          closed_loop, free_port, image_url, summarize, wait_until_up)
 
 GAP_BINS_MS = (0.05, 0.5, 2.0, 10.0)  # idle gaps shorter than each, and the rest
@@ -141,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=1.2)
+    parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--trace-dir", help=argparse.SUPPRESS)
@@ -153,7 +154,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     log = folder / "server.log"
     generator = np.random.default_rng(0)
-    requests = REQUESTS_PER_CLIENT * args.concurrency
+    requests = args.requests_per_client * args.concurrency
     urls = [image_url(generator) for _ in range(requests)]
     bodies = [chat_body(index, urls[index]) for index in range(requests)]
     with log.open("w") as sink:
