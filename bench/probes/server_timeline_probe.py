@@ -73,8 +73,8 @@ def merged(intervals: list) -> list:
 
 
 def summarize_trace(trace: dict) -> dict:
-    """Each stream's busy time and kernels, the GPU's idle gaps (no stream busy) by length, and per thread of the
-    process the CUDA runtime calls by total time; times in ms from the first event."""
+    """Each stream's busy time, kernels and the kernels that took longest, the GPU's idle gaps (no stream busy) by
+    length, and per thread of the process the CUDA runtime calls by total time; times in ms."""
     events = [event for event in trace["traceEvents"] if event.get("ph") == "X" and "dur" in event]
     device = [event for event in events if event.get("cat") in DEVICE_KINDS]
     runtime = [event for event in events if event.get("cat") in ("cuda_runtime", "cuda_driver")]
@@ -93,8 +93,16 @@ def summarize_trace(trace: dict) -> dict:
         entry = calls[str(event.get("tid"))][event["name"]]
         entry[0] += 1
         entry[1] += event["dur"] / 1000
+    kernels = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
+    for event in device:
+        entry = kernels[str(event["args"].get("stream", -1))][event["name"][:80]]
+        entry[0] += 1
+        entry[1] += event["dur"] / 1000
     return {
         "window_ms": (end - begin) / 1000,
+        "top_kernels_by_stream": {stream: {name: {"count": count, "ms": round(ms, 3)} for name, (count, ms) in
+                                           sorted(names.items(), key=lambda item: -item[1][1])[:12]}
+                                  for stream, names in kernels.items()},
         "streams": {str(stream): {"kernels": len(intervals), "busy_ms": sum(b - a for a, b in merged(intervals)) / 1000}
                     for stream, intervals in sorted(streams.items())},
         "gpu_busy_ms": sum(b - a for a, b in busy) / 1000,
