@@ -304,16 +304,17 @@ class GraphBatchingManager:
         # Where a run's time went (CUDA): GPU ms in prefills and in decode chunks, GPU ms that decoding rows waited for
         # prefills as their rows began decoding (they began before the prefill's end) and from a prefill's end to its
         # rows beginning (time the rows could have decoded), host ms waiting for the GPU, issuing admissions, taking
-        # requests in (their checks and positions) while rows decode and issuing the vision tower ahead, decode
-        # steps, row-steps queued (rows covered x steps) and of them held by a request, prefill launches (of them run
-        # eagerly for want of a graph, and launched while rows decoded: beside them) and the requests they admitted,
-        # the ms the admitted requests waited from `add_request` to their prefill's launch (of it, in the input queue
-        # until this thread took them in) and from it to the host reading their first token (any device), requests
-        # with images encoded ahead (beside a chunk) and at their admission.
+        # requests in (their checks and positions) after a turn's work is queued and issuing the vision tower ahead,
+        # decode steps, row-steps queued (rows covered x steps) and of them held by a request, prefill launches (of them
+        # run eagerly for want of a graph, and launched while rows decoded: beside them) and the requests they
+        # admitted, the ms the admitted requests waited from `add_request` to their prefill's launch (of it, in the
+        # input queue until this thread took them in) and from it to the host reading their first token (any device),
+        # requests with images encoded ahead (beside a chunk) and at their admission.
         self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "activation_wait_ms", "activation_slack_ms",
-                                    "host_wait_ms", "admit_host_ms", "take_in_ms", "media_ahead_host_ms", "chunks", "steps", "row_steps", "request_steps",
-                                    "prefills", "eager_prefills", "prefills_beside", "admitted", "admission_wait_ms",
-                                    "queued_ms", "first_token_ms", "encoded_ahead", "encoded_at_admission"), 0)
+                                    "host_wait_ms", "admit_host_ms", "take_in_ms", "media_ahead_host_ms", "chunks",
+                                    "steps", "row_steps", "request_steps", "prefills", "eager_prefills",
+                                    "prefills_beside", "admitted", "admission_wait_ms", "queued_ms", "first_token_ms",
+                                    "encoded_ahead", "encoded_at_admission"), 0)
         self._spans = deque()  # (stat, CUDA event before, after) of GPU time not counted in `stats` yet
         self._side_work = SideWork(None)  # the batch's (`_loop`)
 

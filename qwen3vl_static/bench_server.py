@@ -310,7 +310,8 @@ def tokens_agreeing(text: str, tokens: list, processor) -> int:
 
 
 def server_rows(args) -> dict:
-    """The --server measurement: each concurrency's row per pass, and the concurrency-1 answers against `generate`."""
+    """The --server measurement: each concurrency's row per pass, and the first concurrency's first answers against
+    `generate`."""
     generator = np.random.default_rng(0)
     levels = args.server_concurrency
     counts = {level: max(MIN_REQUESTS, args.server_requests_per_client * level) for level in levels}

@@ -198,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--server-concurrency", type=int, nargs="+", default=[1, 16, 64, 256],
                        help="the --server concurrencies (default: 1 16 64 256)")
     bench.add_argument("--server-requests-per-client", type=positive_int, default=4,
-                       help="requests each --server client sends, one after another (default: 4; at least 16 a "
-                            "concurrency in all)")
+                       help="requests each --server client sends, one after another (default: 4; each concurrency "
+                            "sends at least 16 in all)")
     bench.add_argument("--server-api-server-count", type=positive_int,
                        help="the --server server's HTTP processes (default: serve's)")
     bench.add_argument("--server-max-prefill-tokens", type=positive_int,

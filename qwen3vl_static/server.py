@@ -64,7 +64,7 @@ METRICS = {
     "admit_host_ms": ("qwen3vl_static_admit_host_seconds_total", 1e-3,
                       "time the batch's thread spent admitting requests (their prefills issued)"),
     "take_in_ms": ("qwen3vl_static_take_in_seconds_total", 1e-3,
-                   "time the batch's thread spent taking requests in (their checks and positions) while work ran"),
+                   "time the batch's thread spent taking requests in (their checks and positions)"),
     "media_ahead_host_ms": ("qwen3vl_static_media_ahead_host_seconds_total", 1e-3,
                             "time the batch's thread spent issuing the vision tower ahead of admissions"),
     "chunks": ("qwen3vl_static_decode_chunks_total", 1, "chunks of decode steps (each read by the host at once)"),
