@@ -73,48 +73,55 @@ def merged(intervals: list) -> list:
     return out
 
 
+def device_events(trace: dict) -> list:
+    """The trace's kernels, copies and memsets."""
+    return [event for event in trace["traceEvents"] if event.get("ph") == "X" and event.get("cat") in DEVICE_KINDS]
+
+
+def stream_intervals(device: list, begin: float = 0.0) -> dict:
+    """stream -> its events' (start, end) in ms after `begin` (trace microseconds)."""
+    streams = collections.defaultdict(list)
+    for event in device:
+        streams[event["args"].get("stream", -1)].append(((event["ts"] - begin) / 1000,
+                                                        (event["ts"] + event["dur"] - begin) / 1000))
+    return dict(sorted(streams.items()))
+
+
+def longest(events: list, group, most: int) -> dict:
+    """Per `group(event)`, the `most` event names with the longest total time: {group: {name: {count, ms}}}."""
+    totals = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
+    for event in events:
+        entry = totals[group(event)][event["name"][:80]]
+        entry[0] += 1
+        entry[1] += event["dur"] / 1000
+    return {key: {name: {"count": count, "ms": round(ms, 3)}
+                  for name, (count, ms) in sorted(names.items(), key=lambda item: -item[1][1])[:most]}
+            for key, names in totals.items()}
+
+
 def summarize_trace(trace: dict) -> dict:
     """Each stream's busy time, kernels and the kernels that took longest, the GPU's idle gaps (no stream busy) by
     length, and per thread of the process the CUDA runtime calls by total time; times in ms."""
     events = [event for event in trace["traceEvents"] if event.get("ph") == "X" and "dur" in event]
-    device = [event for event in events if event.get("cat") in DEVICE_KINDS]
+    device = device_events(trace)
     runtime = [event for event in events if event.get("cat") in ("cuda_runtime", "cuda_driver")]
-    begin = min(event["ts"] for event in events)
-    end = max(event["ts"] + event["dur"] for event in events)
-    streams = collections.defaultdict(list)
-    for event in device:
-        streams[event["args"].get("stream", -1)].append((event["ts"], event["ts"] + event["dur"]))
+    streams = stream_intervals(device)
     busy = merged([interval for intervals in streams.values() for interval in intervals])
     gaps = [after[0] - before[1] for before, after in zip(busy, busy[1:])]
     bins = collections.Counter()
     for gap in gaps:
-        bins[next((f"<{edge} ms" for edge in GAP_BINS_MS if gap < 1000 * edge), f">={GAP_BINS_MS[-1]} ms")] += gap
-    calls = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
-    for event in runtime:
-        entry = calls[str(event.get("tid"))][event["name"]]
-        entry[0] += 1
-        entry[1] += event["dur"] / 1000
-    kernels = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
-    for event in device:
-        entry = kernels[str(event["args"].get("stream", -1))][event["name"][:80]]
-        entry[0] += 1
-        entry[1] += event["dur"] / 1000
+        bins[next((f"<{edge} ms" for edge in GAP_BINS_MS if gap < edge), f">={GAP_BINS_MS[-1]} ms")] += gap
     return {
-        "window_ms": (end - begin) / 1000,
-        "kernels_recorded_ms": (max(event["ts"] + event["dur"] for event in device)
-                                - min(event["ts"] for event in device)) / 1000,
-        "top_kernels_by_stream": {stream: {name: {"count": count, "ms": round(ms, 3)} for name, (count, ms) in
-                                           sorted(names.items(), key=lambda item: -item[1][1])[:12]}
-                                  for stream, names in kernels.items()},
-        "streams": {str(stream): {"kernels": len(intervals), "busy_ms": sum(b - a for a, b in merged(intervals)) / 1000}
-                    for stream, intervals in sorted(streams.items())},
-        "gpu_busy_ms": sum(b - a for a, b in busy) / 1000,
-        "idle_gaps_ms_by_length": {name: bins[name] / 1000 for name in
+        "window_ms": (max(event["ts"] + event["dur"] for event in events) - min(event["ts"] for event in events)) / 1000,
+        "kernels_recorded_ms": busy[-1][1] - busy[0][0],
+        "top_kernels_by_stream": longest(device, lambda event: str(event["args"].get("stream", -1)), 12),
+        "streams": {str(stream): {"kernels": len(intervals), "busy_ms": sum(b - a for a, b in merged(intervals))}
+                    for stream, intervals in streams.items()},
+        "gpu_busy_ms": sum(b - a for a, b in busy),
+        "idle_gaps_ms_by_length": {name: bins[name] for name in
                                    [*(f"<{edge} ms" for edge in GAP_BINS_MS), f">={GAP_BINS_MS[-1]} ms"]},
         "idle_gaps": len(gaps),
-        "runtime_calls_by_thread": {tid: {name: {"calls": count, "ms": round(ms, 3)} for name, (count, ms) in
-                                          sorted(names.items(), key=lambda item: -item[1][1])[:8]}
-                                    for tid, names in calls.items()},
+        "runtime_calls_by_thread": longest(runtime, lambda event: str(event.get("tid")), 8),
     }
 
 
@@ -125,14 +132,10 @@ def picture(trace: dict, path: Path, bin_ms: float = 5.0, zoom_ms: float = 60.0)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    events = [event for event in trace["traceEvents"] if event.get("ph") == "X" and event.get("cat") in DEVICE_KINDS]
-    begin = min(event["ts"] for event in events)
-    streams = collections.defaultdict(list)
-    for event in events:
-        streams[event["args"].get("stream", -1)].append(((event["ts"] - begin) / 1000,
-                                                        (event["ts"] + event["dur"] - begin) / 1000))
+    device = device_events(trace)
+    streams = stream_intervals(device, begin=min(event["ts"] for event in device))
     figure, (whole, zoom) = plt.subplots(2, 1, figsize=(13, 7))
-    for lane, (stream, intervals) in enumerate(sorted(streams.items())):
+    for lane, (stream, intervals) in enumerate(streams.items()):
         spans = merged(intervals)
         edges = np.arange(0, max(b for _, b in spans) + bin_ms, bin_ms)
         share = np.zeros(len(edges) - 1)
@@ -144,7 +147,7 @@ def picture(trace: dict, path: Path, bin_ms: float = 5.0, zoom_ms: float = 60.0)
     whole.set(xlabel="ms", ylabel=f"busy share per {bin_ms:g} ms", title="GPU streams in the engine process")
     whole.legend(loc="upper right", fontsize=8)
     zoom.set(xlim=(0, zoom_ms), xlabel="ms", yticks=range(len(streams)),
-             yticklabels=[f"stream {stream}" for stream in sorted(streams)], title=f"the first {zoom_ms:g} ms")
+             yticklabels=[f"stream {stream}" for stream in streams], title=f"the first {zoom_ms:g} ms")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
