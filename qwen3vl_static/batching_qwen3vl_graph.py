@@ -166,30 +166,17 @@ class StreamingSteps:
     """Decode steps per chunk while some running request streams. A chunk's tokens reach their clients when the host
     reads the chunk, so one step per chunk sends each token as it is drawn, where `steps_per_sync` would send them in
     bursts; but every chunk costs the host a read and the clients an output each. So: as few steps as the host and
-    the clients keep up with, with a margin. Doubles (up to `steps_per_sync`) when they fell behind the GPU (it had run
-    out of queued work by the time the host queued more, or an event loop had not yet run the outputs handed to it a
-    chunk before) or when the host waited for the last chunk less than `MARGIN` of its GPU time (`slack`): a turn's
-    host work that nearly fills a chunk leaves none for the next admissions, which would then stop the GPU. One step
-    fewer when the host would still wait `MARGIN` of a chunk; without a measure (no CUDA events) it stays put."""
-
-    MARGIN = 0.25
+    the clients keep up with. Doubles (up to `steps_per_sync`) when they fell behind the GPU (it had run out of queued
+    work by the time the host queued more, or an event loop had not yet run the outputs handed to it a chunk
+    before), one step fewer when they kept up; without a measure (no CUDA events) it stays put."""
 
     def __init__(self, most: int):
         self.most, self.steps = most, 1
 
-    def next(self, behind: bool | None, slack: float | None = None) -> int:
-        if behind is None:
-            return self.steps
-        if behind or (slack is not None and slack < self.MARGIN):
-            self.steps = min(self.most, 2 * self.steps)
-        elif self.steps > 1 and (slack is None or self._fewer_keeps_margin(slack)):
-            self.steps -= 1
+    def next(self, behind: bool | None) -> int:
+        if behind is not None:
+            self.steps = min(self.most, 2 * self.steps) if behind else max(1, self.steps - 1)
         return self.steps
-
-    def _fewer_keeps_margin(self, slack: float) -> bool:
-        """Whether a chunk of one step fewer would still leave the host `MARGIN` of it to wait: the host's work stays,
-        the wait loses a step (`slack` is the wait over the chunk's GPU time, a step being 1 / steps of it)."""
-        return (slack * self.steps - 1) / (self.steps - 1) >= self.MARGIN
 
 
 class _Delivery:
@@ -311,7 +298,6 @@ class GraphBatchingManager:
         self._outbox = None  # (loop, callback, output) of the chunk being read, handed over together
         self._handed = []  # the `_Delivery`s of the last chunk read
         self._clients_behind = False  # an event loop had not run the outputs of the chunk before the last one read
-        self._slack = None  # the host's wait for the last decode chunk read over its GPU time (CUDA)
         self._stopping = threading.Event()
         self._thread = None
         self.error = None  # what ended the batch itself, if anything did
@@ -572,7 +558,7 @@ class GraphBatchingManager:
                 side_work.waited(max(part.mark for part in ready))
             decoding = {row: sequence for row, sequence in scheduler.running.items() if sequence.decoding}
             streams = any(sequence.streaming for sequence in decoding.values())
-            steps = streaming_steps.next(behind, self._slack) if streams else runner.steps_per_sync
+            steps = streaming_steps.next(behind) if streams else runner.steps_per_sync
             if decoding:
                 order = scheduler.compact(lambda rows: bucket_of(runner.batch_buckets, rows))
                 if order is not None:
@@ -1062,14 +1048,10 @@ class GraphBatchingManager:
                     touched.add(sequence)
         if chunk.handle is not None:
             tokens, _ = runner.collect(chunk.handle)
-        waited_ms = 1000 * (time.perf_counter() - began)
-        self.stats["host_wait_ms"] += waited_ms
+        self.stats["host_wait_ms"] += 1000 * (time.perf_counter() - began)
         self._clients_behind = not all(delivery.taken for delivery in self._handed)  # they had a chunk's time
-        self._slack = None
         if chunk.events:
-            gpu_ms = chunk.events[0].elapsed_time(chunk.events[1])
-            self.stats["decode_ms"] += gpu_ms
-            self._slack = waited_ms / gpu_ms if gpu_ms > 0 else None
+            self.stats["decode_ms"] += chunk.events[0].elapsed_time(chunk.events[1])
         while self._spans and self._spans[0][2].query():  # the prefills and waits done by now
             stat, before, after = self._spans.popleft()
             self.stats[stat] += before.elapsed_time(after)
