@@ -2,9 +2,11 @@
 
 The server is `serve`'s, with its defaults (cache rows sized from the GPU's memory), in a process of its own: the
 preset's shapes with random weights (seed 0), EOS off, and a processor whose tokenizer has Qwen's special-token ids
-(`real_ids_tokenizer`) and whose image processor is the checkpoint's. The clients are asyncio tasks of this process,
-each streaming one chat completion after another (a closed loop at each concurrency): a 448x448 JPEG as a data URL
-and a QUESTION_TOKENS-token question, NEW_TOKENS new tokens, greedy. Every concurrency runs twice in a row: the first
+(`real_ids_tokenizer`) and whose image processor is the checkpoint's. The clients are asyncio tasks, each streaming one
+chat completion after another (a closed loop at each concurrency): a 448x448 JPEG as a data URL and a
+QUESTION_TOKENS-token question, NEW_TOKENS new tokens, greedy. Past CLIENTS_PER_PROCESS clients they run in processes of
+their own, that many to a process (`client_processes`), so that no client's event loop is busy enough to delay what
+it measures. Every concurrency runs twice in a row: the first
 pass meets the graph captures and kernel measurements on the way, the second runs on them; both are reported.
 
 Reported per concurrency: TTFT (request sent to its first text, HTTP and image decoding included), inter-token latency
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import gc
+import importlib
 import io
 import json
 import os
@@ -48,6 +51,7 @@ QUESTION_TOKENS = 30
 NEW_TOKENS = 128
 NAME = "qwen3vl-static-bench"
 START_TIMEOUT_S = 900  # the server builds its model first
+CLIENTS_PER_PROCESS = 16  # streaming clients per client process (`client_processes`)
 
 
 def bench_processor(model: str = "2b"):
@@ -142,7 +146,8 @@ async def stream_one(client, url: str, body: dict) -> dict:
 
 
 async def closed_loop(base: str, bodies: list, concurrency: int, headers: dict | None = None) -> tuple:
-    """`bodies` through `concurrency` clients, each sending its next as soon as its last ended: (answers, seconds)."""
+    """`bodies` through `concurrency` clients of this process, each sending its next as soon as its last ended:
+    (answers, seconds)."""
     import httpx
 
     pending, answers = iter(enumerate(bodies)), [None] * len(bodies)
@@ -155,6 +160,65 @@ async def closed_loop(base: str, bodies: list, concurrency: int, headers: dict |
         began = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         return answers, time.perf_counter() - began
+
+
+def client_processes(concurrency: int) -> int:
+    """Processes for `concurrency` streaming clients: one per CLIENTS_PER_PROCESS, at most half the cores.
+    One process's event loop parsing every client's stream would be busy most of the time at 64 clients, and a busy
+    loop reads the tokens late and sends the next requests late: its own delays would count as the server's."""
+    return max(1, min(-(-concurrency // CLIENTS_PER_PROCESS), (os.cpu_count() or 2) // 2))
+
+
+def run_clients(base: str, bodies: list, concurrency: int, headers: dict | None = None,
+                processes: int | None = None) -> tuple:
+    """`closed_loop` with the clients split over `processes` processes (default `client_processes`), each with its
+    share of the clients and every `processes`-th body, started together: (answers in `bodies`' order, seconds from
+    the first client's start to the last one's end, each client process's CPU seconds)."""
+    import multiprocessing
+
+    processes = min(processes or client_processes(concurrency), concurrency)
+    if processes == 1:
+        cpu = process_cpu_s()
+        answers, seconds = asyncio.run(closed_loop(base, bodies, concurrency, headers))
+        return answers, seconds, [process_cpu_s() - cpu]
+    context = multiprocessing.get_context("spawn")
+    ready, results = context.Barrier(processes + 1), context.Queue()
+    workers = [context.Process(target=_client_process, name=f"bench-clients-{index}", daemon=True,
+                               args=(base, bodies[index::processes],
+                                     concurrency // processes + (index < concurrency % processes), headers, ready,
+                                     results, index))
+               for index in range(processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        ready.wait(timeout=START_TIMEOUT_S)
+        shares = [results.get(timeout=START_TIMEOUT_S) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(timeout=60)
+            if worker.is_alive():
+                worker.kill()
+    failed = [error for *_, error in shares if error is not None]
+    if failed:
+        raise RuntimeError(f"a client process failed: {failed[0]}")
+    answers = [None] * len(bodies)
+    for index, share, *_ in shares:
+        answers[index::processes] = share
+    seconds = max(ended for _, _, _, ended, _, _ in shares) - min(began for _, _, began, _, _, _ in shares)
+    return answers, seconds, [cpu for *_, cpu, _ in shares]
+
+
+def _client_process(base: str, bodies: list, clients: int, headers, ready, results, index: int) -> None:
+    """One client process of `run_clients`: (its index, its answers, when it began and ended (perf_counter: one clock
+    for the machine's processes), its CPU seconds, its error or None) onto `results`."""
+    importlib.import_module("httpx")  # before the start: every process begins its clients at once
+    ready.wait()
+    cpu, began = process_cpu_s(), time.perf_counter()
+    try:
+        answers, error = asyncio.run(closed_loop(base, bodies, clients, headers))[0], None
+    except Exception as failure:  # noqa: BLE001 - the parent raises it
+        answers, error = None, f"{type(failure).__name__}: {failure}"
+    results.put((index, answers, began, time.perf_counter(), process_cpu_s() - cpu, error))
 
 
 def summarize(answers: list, seconds: float, new_tokens: int = NEW_TOKENS) -> dict:
@@ -338,12 +402,13 @@ def server_rows(args) -> dict:
         for run in ("first", "second"):
             for level in levels:
                 bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
-                client_cpu, server_cpu, counters = process_cpu_s(), process_cpu_s(process.pid), metrics(base)
+                server_cpu, counters = process_cpu_s(process.pid), metrics(base)
                 logged = log.stat().st_size
-                answers, seconds = asyncio.run(closed_loop(base, bodies, level))
-                # Cores busy on average: a client near 1 is the measurement's own limit; the server's are its
+                answers, seconds, client_cpu = run_clients(base, bodies, level, processes=args.server_client_processes)
+                # Cores busy on average: a client process near 1 is the measurement's own limit; the server's are its
                 # processes' together (the engine's alone: engine_cores_busy, from /metrics).
-                cores = {"client_cores_busy": (process_cpu_s() - client_cpu) / seconds,
+                cores = {"client_processes": len(client_cpu), "client_cores_busy": sum(client_cpu) / seconds,
+                         "client_cores_busy_most": max(client_cpu) / seconds,
                          "server_cores_busy": (process_cpu_s(process.pid) - server_cpu) / seconds}
                 row = {"run": run, "concurrency": level, **summarize(answers, seconds), **cores,
                        **batch_counters(counters, metrics(base), seconds)}

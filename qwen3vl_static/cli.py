@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--server-requests-per-client", type=positive_int, default=4,
                        help="requests each --server client sends, one after another (default: 4; each concurrency "
                             "sends at least 16 in all)")
+    bench.add_argument("--server-client-processes", type=positive_int,
+                       help="processes the --server clients run in (default: one per 16 clients, at most half the "
+                            "cores; 1: every client in the bench's own process)")
     bench.add_argument("--server-api-server-count", type=positive_int,
                        help="the --server server's HTTP processes (default: serve's)")
     bench.add_argument("--server-max-prefill-tokens", type=positive_int,

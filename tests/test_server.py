@@ -24,7 +24,7 @@ import torch
 from conftest import image, save_stock_checkpoint
 from openai import BadRequestError, OpenAI
 
-from qwen3vl_static.bench_server import (batch_counters, chat_body, closed_loop, metrics, served_processes, server_split,
+from qwen3vl_static.bench_server import (batch_counters, chat_body, metrics, run_clients, served_processes, server_split,
                                          summarize)
 from qwen3vl_static.convert import convert
 from qwen3vl_static.dataset_runner import load_processor
@@ -397,15 +397,19 @@ def test_a_disconnect_cancels_and_a_full_queue_answers_503(server):
 
 
 def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
-    """`bench --server`'s clients (two at a time, four requests): each streamed answer equals `generate`'s, and the
-    figures count every chunk and token."""
+    """`bench --server`'s clients (two at a time, each in a process of its own, four requests): each streamed answer,
+    back in the bodies' order, equals `generate`'s, and the figures count every chunk and token."""
     import asyncio
 
     model, processor = reference
     urls = [data_url(png(image(64, 32 + 16 * index))) for index in range(4)]
     bodies = [chat_body(index, url, model=NAME, new_tokens=12) for index, url in enumerate(urls)]
     before, seen = metrics(server.url), len(server.log_text())
-    answers, seconds = asyncio.run(closed_loop(server.url, bodies, 2, headers=HEADERS))
+    began = time.perf_counter()
+    answers, seconds, client_cpu = run_clients(server.url, bodies, 2, headers=HEADERS, processes=2)
+    assert len(client_cpu) == 2 and all(cpu > 0 for cpu in client_cpu)
+    assert 0 < seconds < time.perf_counter() - began  # from the clients' start, not the processes'
+    assert all(answer["sent"] >= began for answer in answers)
     counters = batch_counters(before, metrics(server.url), seconds)  # GET /metrics: what the batch did meanwhile
     assert counters["prefills"] >= 2 and counters["requests_per_prefill"] * counters["prefills"] == 4
     assert counters["decode_steps"] >= 11 and counters["gpu_prefill_busy"] == counters["gpu_decode_busy"] == 0  # CPU
