@@ -25,6 +25,7 @@ import importlib
 import io
 import json
 import os
+import queue
 import re
 import resource
 import socket
@@ -170,32 +171,39 @@ def client_processes(concurrency: int) -> int:
 
 
 def run_clients(base: str, bodies: list, concurrency: int, headers: dict | None = None,
-                processes: int | None = None) -> tuple:
+                processes: int | None = None, on_start=None) -> tuple:
     """`closed_loop` with the clients split over `processes` processes (default `client_processes`), each with its
-    share of the clients and every `processes`-th body, started together: (answers in `bodies`' order, seconds from
-    the first client's start to the last one's end, each client process's CPU seconds)."""
+    share of the clients and every `processes`-th body, started together once every process is ready (`on_start()`
+    just before): (answers in `bodies`' order, seconds from the first client's start to the last one's end, each client
+    process's CPU seconds)."""
     import multiprocessing
 
     processes = min(processes or client_processes(concurrency), concurrency)
     if processes == 1:
+        if on_start is not None:
+            on_start()
         cpu = process_cpu_s()
         answers, seconds = asyncio.run(closed_loop(base, bodies, concurrency, headers))
         return answers, seconds, [process_cpu_s() - cpu]
     context = multiprocessing.get_context("spawn")
-    ready, results = context.Barrier(processes + 1), context.Queue()
+    go, messages = context.Event(), context.Queue()
     workers = [context.Process(target=_client_process, name=f"bench-clients-{index}", daemon=True,
                                args=(base, bodies[index::processes],
-                                     concurrency // processes + (index < concurrency % processes), headers, ready,
-                                     results, index))
+                                     concurrency // processes + (index < concurrency % processes), headers, go,
+                                     messages, index))
                for index in range(processes)]
     for worker in workers:
         worker.start()
     try:
-        ready.wait(timeout=START_TIMEOUT_S)
-        shares = [results.get(timeout=START_TIMEOUT_S) for _ in workers]
+        for _ in workers:
+            _next_message(messages, workers)  # ready
+        if on_start is not None:
+            on_start()
+        go.set()
+        shares = [_next_message(messages, workers) for _ in workers]
     finally:
         for worker in workers:
-            worker.join(timeout=60)
+            worker.join(timeout=10)
             if worker.is_alive():
                 worker.kill()
     failed = [error for *_, error in shares if error is not None]
@@ -208,17 +216,29 @@ def run_clients(base: str, bodies: list, concurrency: int, headers: dict | None 
     return answers, seconds, [cpu for *_, cpu, _ in shares]
 
 
-def _client_process(base: str, bodies: list, clients: int, headers, ready, results, index: int) -> None:
-    """One client process of `run_clients`: (its index, its answers, when it began and ended (perf_counter: one clock
-    for the machine's processes), its CPU seconds, its error or None) onto `results`."""
+def _next_message(messages, workers: list):
+    """The client processes' next message; raises once one of them exited without sending it."""
+    while True:
+        try:
+            return messages.get(timeout=1)
+        except queue.Empty:
+            dead = next((worker for worker in workers if worker.exitcode not in (None, 0)), None)
+            if dead is not None:
+                raise RuntimeError(f"the client process {dead.name} exited with code {dead.exitcode}") from None
+
+
+def _client_process(base: str, bodies: list, clients: int, headers, go, messages, index: int) -> None:
+    """One client process of `run_clients`: "ready", then, once `go` is set, (its index, its answers, when it began and
+    ended (perf_counter: one clock for the machine's processes), its CPU seconds, its error or None)."""
     importlib.import_module("httpx")  # before the start: every process begins its clients at once
-    ready.wait()
+    messages.put("ready")
+    go.wait()
     cpu, began = process_cpu_s(), time.perf_counter()
     try:
         answers, error = asyncio.run(closed_loop(base, bodies, clients, headers))[0], None
     except Exception as failure:  # noqa: BLE001 - the parent raises it
         answers, error = None, f"{type(failure).__name__}: {failure}"
-    results.put((index, answers, began, time.perf_counter(), process_cpu_s() - cpu, error))
+    messages.put((index, answers, began, time.perf_counter(), process_cpu_s() - cpu, error))
 
 
 def summarize(answers: list, seconds: float, new_tokens: int = NEW_TOKENS) -> dict:
@@ -402,9 +422,15 @@ def server_rows(args) -> dict:
         for run in ("first", "second"):
             for level in levels:
                 bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
-                server_cpu, counters = process_cpu_s(process.pid), metrics(base)
-                logged = log.stat().st_size
-                answers, seconds, client_cpu = run_clients(base, bodies, level, processes=args.server_client_processes)
+                before = {}
+
+                def on_start():  # the server's counters from when the clients start
+                    before.update(server_cpu=process_cpu_s(process.pid), counters=metrics(base),
+                                  logged=log.stat().st_size)
+
+                answers, seconds, client_cpu = run_clients(base, bodies, level, processes=args.server_client_processes,
+                                                           on_start=on_start)
+                server_cpu, counters, logged = before["server_cpu"], before["counters"], before["logged"]
                 # Cores busy on average: a client process near 1 is the measurement's own limit; the server's are its
                 # processes' together (the engine's alone: engine_cores_busy, from /metrics).
                 cores = {"client_processes": len(client_cpu), "client_cores_busy": sum(client_cpu) / seconds,

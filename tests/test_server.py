@@ -405,11 +405,12 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     urls = [data_url(png(image(64, 32 + 16 * index))) for index in range(4)]
     bodies = [chat_body(index, url, model=NAME, new_tokens=12) for index, url in enumerate(urls)]
     before, seen = metrics(server.url), len(server.log_text())
-    began = time.perf_counter()
-    answers, seconds, client_cpu = run_clients(server.url, bodies, 2, headers=HEADERS, processes=2)
+    began, started = time.perf_counter(), []
+    answers, seconds, client_cpu = run_clients(server.url, bodies, 2, headers=HEADERS, processes=2,
+                                               on_start=lambda: started.append(time.perf_counter()))
     assert len(client_cpu) == 2 and all(cpu > 0 for cpu in client_cpu)
-    assert 0 < seconds < time.perf_counter() - began  # from the clients' start, not the processes'
-    assert all(answer["sent"] >= began for answer in answers)
+    assert 0 < seconds < time.perf_counter() - started[0]  # from the clients' start, not the processes'
+    assert began < started[0] <= min(answer["sent"] for answer in answers)  # once every process was ready
     counters = batch_counters(before, metrics(server.url), seconds)  # GET /metrics: what the batch did meanwhile
     assert counters["prefills"] >= 2 and counters["requests_per_prefill"] * counters["prefills"] == 4
     assert counters["decode_steps"] >= 11 and counters["gpu_prefill_busy"] == counters["gpu_decode_busy"] == 0  # CPU
@@ -446,6 +447,16 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     # A request's wait in the batch for its prefill is part of its time to first token.
     ttft = [1000 * (answer["arrivals"][0] - answer["sent"]) for answer in answers]
     assert 0 < counters["admission_wait_ms_mean"] < max(ttft) and 0 < counters["first_token_read_ms_mean"] < max(ttft)
+
+
+def test_the_benchmark_clients_raise_what_failed_in_a_client_process():
+    """A client process whose requests fail (nothing listens on the port): `run_clients` raises its error."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    bodies = [chat_body(index, "data:,", model=NAME) for index in range(2)]
+    with pytest.raises(RuntimeError, match="a client process failed: ConnectError"):
+        run_clients(f"http://127.0.0.1:{port}", bodies, 2, processes=2)
 
 
 def test_sigterm_lets_the_request_in_flight_finish_then_exits(server, reference):
