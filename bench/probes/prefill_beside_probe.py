@@ -4,7 +4,9 @@ CUDA graph of its own pool and capture stream:
 
 - `sequential`: the prefill, then the N steps, on one stream (how an admission holds decoding rows up today);
 - `beside`: the N steps on a stream of the device's greatest priority, the prefill on one of the least, both let go
-  at once (`beside_equal`: both streams of one priority).
+  at once (`beside_equal`: both streams of one priority);
+- `beside_prefill_<S>_sms` (`--prefill-sms S ...`): the prefill on the stream of a CUDA green context of S SMs, the
+  steps on one of the whole device: the prefill cannot take every SM, so the steps, bound by memory, keep some.
 
 Reported per form: the wall time of the whole, the decode steps' durations (p50, max: what a stream's tokens wait
 for) and when the prefill ended, beside the decode step and the prefill timed alone; and whether the decoding rows'
@@ -13,7 +15,7 @@ the cache, in rows of their own). Decoding is bound by memory and prefill by com
 take less than one after the other; the tower beside the chunks cost offline images 2 s of 8.5 (design.md).
 
 H200, bf16 2B; JSON to $OUT. Run: `python bench/probes/prefill_beside_probe.py [--rows 64 256] [--context 300]
-[--prompts 8] [--prompt-tokens 256] [--steps 16]`. `--check` runs the setup eagerly on the CPU's tiny model (shapes
+[--prompts 8] [--prompt-tokens 256] [--steps 16] [--prefill-sms 64 96]`. `--check` runs the setup eagerly on the CPU's tiny model (shapes
 and calls only, no timing).
 """
 
@@ -94,6 +96,21 @@ def timed(decode_graph, prefill_graph, steps: int, form: str, streams: dict) -> 
             "prefill_end_ms": start.elapsed_time(prefill_end)}
 
 
+def alone_ms(graph, stream, repeats: int) -> float:
+    """`graph`'s replay on `stream` with nothing beside it, ms (median of `repeats`)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
 def measure(args) -> None:
     import harness
     from qwen3vl_static.workloads import build_ours
@@ -105,6 +122,12 @@ def measure(args) -> None:
     high, low, one, other = (torch.cuda.Stream(priority=greatest), torch.cuda.Stream(priority=least),
                              torch.cuda.Stream(), torch.cuda.Stream())
     streams = {"sequential": (one, one), "beside": (high, low), "beside_equal": (one, other)}
+    unsupported = {}
+    for sms in args.prefill_sms:
+        try:
+            streams[f"beside_prefill_{sms}_sms"] = (one, green_stream(sms))
+        except Exception as error:  # noqa: BLE001 - this torch, driver or device has none: said in the JSON
+            unsupported[f"beside_prefill_{sms}_sms"] = f"{type(error).__name__}: {error}"
     results, graphs = [], []  # every graph kept: a pool whose graphs are all gone cannot take a new capture
     with torch.no_grad():
         for rows in args.rows:
@@ -123,8 +146,15 @@ def measure(args) -> None:
             row = {"decode_rows": rows, "context": args.context, "prompts": args.prompts,
                    "prompt_tokens": args.prompt_tokens, "steps": args.steps}
             for form in streams:
-                runs = [timed(decode_graph, prefill_graph, args.steps, form, streams) for _ in range(args.repeats)]
+                try:
+                    runs = [timed(decode_graph, prefill_graph, args.steps, form, streams) for _ in range(args.repeats)]
+                except RuntimeError as error:  # a green context's stream the graphs or events cannot use
+                    unsupported[form] = f"{type(error).__name__}: {error}"
+                    torch.cuda.synchronize()
+                    continue
                 row[form] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+                if form.startswith("beside_prefill_"):  # what the SMs it has give the prefill alone
+                    row[form]["prefill_alone_ms"] = alone_ms(prefill_graph, streams[form][1], args.repeats)
                 row[form]["wall_ms_range"] = [min(run["wall_ms"] for run in runs), max(run["wall_ms"] for run in runs)]
                 row[form]["logits_equal_apart"] = bool(torch.equal(setup.decode_logits, apart[0])
                                                        and torch.equal(setup.prompt_logits, apart[1]))
@@ -134,7 +164,15 @@ def measure(args) -> None:
             results.append(row)
             del setup
             torch.cuda.empty_cache()
-    harness.write_json({"rows": results})
+    harness.write_json({"rows": results, "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+                        "unsupported": unsupported})
+
+
+def green_stream(sms: int) -> torch.cuda.Stream:
+    """The stream of a new CUDA green context of `sms` SMs (kernels and graphs launched there run on those alone)."""
+    from torch.cuda.green_contexts import GreenContext
+
+    return GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device()).Stream()
 
 
 def check() -> None:
@@ -163,6 +201,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prefill-sms", type=int, nargs="*", default=[],
+                        help="also run the prefill on a green context of each many SMs (the device's SM count: in the JSON)")
     args = parser.parse_args()
     check() if args.check else measure(args)
 
