@@ -152,7 +152,10 @@ def test_ctrl_c_on_run_exits_130_keeping_the_answers_and_a_rerun_finishes(stock,
     output = tmp_path / "answers.jsonl"
     arguments = ["run", str(stock), "--input", str(tmp_path / "requests.jsonl"), "--output", str(output), "--device",
                  "cpu"]
-    process = child("-m", "qwen3vl_static", *arguments, "--slots", "1", cwd=tmp_path)  # one at a time: seconds
+    # One at a time: seconds. Ctrl-C as at a terminal: a suite started in the background (no job control) ignores
+    # SIGINT, and a child would inherit that and run to its end.
+    process = child("-m", "qwen3vl_static", *arguments, "--slots", "1", cwd=tmp_path,
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (output.exists() and output.read_text().count("\n")) and time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()
