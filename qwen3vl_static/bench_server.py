@@ -173,18 +173,17 @@ def client_processes(concurrency: int) -> int:
 def run_clients(base: str, bodies: list, concurrency: int, headers: dict | None = None,
                 processes: int | None = None, on_start=None) -> tuple:
     """`closed_loop` with the clients split over `processes` processes (default `client_processes`), each with its
-    share of the clients and every `processes`-th body, started together once every process is ready (`on_start()`
-    just before): (answers in `bodies`' order, seconds from the first client's start to the last one's end, each client
-    process's CPU seconds)."""
+    share of the clients and every `processes`-th body, started together once every process is ready: (answers in
+    `bodies`' order, seconds from the first client's start to the last one's end, each client process's CPU seconds,
+    what `on_start()` returned just before the start, or None)."""
     import multiprocessing
 
     processes = min(processes or client_processes(concurrency), concurrency)
     if processes == 1:
-        if on_start is not None:
-            on_start()
+        started = on_start() if on_start is not None else None
         cpu = process_cpu_s()
         answers, seconds = asyncio.run(closed_loop(base, bodies, concurrency, headers))
-        return answers, seconds, [process_cpu_s() - cpu]
+        return answers, seconds, [process_cpu_s() - cpu], started
     context = multiprocessing.get_context("spawn")
     go, messages = context.Event(), context.Queue()
     workers = [context.Process(target=_client_process, name=f"bench-clients-{index}", daemon=True,
@@ -197,8 +196,7 @@ def run_clients(base: str, bodies: list, concurrency: int, headers: dict | None 
     try:
         for _ in workers:
             _next_message(messages, workers)  # ready
-        if on_start is not None:
-            on_start()
+        started = on_start() if on_start is not None else None
         go.set()
         shares = [_next_message(messages, workers) for _ in workers]
     finally:
@@ -206,14 +204,14 @@ def run_clients(base: str, bodies: list, concurrency: int, headers: dict | None 
             worker.join(timeout=10)
             if worker.is_alive():
                 worker.kill()
-    failed = [error for *_, error in shares if error is not None]
+    failed = [share["error"] for share in shares if share["error"] is not None]
     if failed:
         raise RuntimeError(f"a client process failed: {failed[0]}")
     answers = [None] * len(bodies)
-    for index, share, *_ in shares:
-        answers[index::processes] = share
-    seconds = max(ended for _, _, _, ended, _, _ in shares) - min(began for _, _, began, _, _, _ in shares)
-    return answers, seconds, [cpu for *_, cpu, _ in shares]
+    for share in shares:
+        answers[share["index"]::processes] = share["answers"]
+    seconds = max(share["ended"] for share in shares) - min(share["began"] for share in shares)
+    return answers, seconds, [share["cpu_s"] for share in shares], started
 
 
 def _next_message(messages, workers: list):
@@ -228,8 +226,8 @@ def _next_message(messages, workers: list):
 
 
 def _client_process(base: str, bodies: list, clients: int, headers, go, messages, index: int) -> None:
-    """One client process of `run_clients`: "ready", then, once `go` is set, (its index, its answers, when it began and
-    ended (perf_counter: one clock for the machine's processes), its CPU seconds, its error or None)."""
+    """One client process of `run_clients`: "ready", then, once `go` is set, its share: its answers, when it began and
+    ended (perf_counter: one clock for the machine's processes), its CPU seconds, its error or None."""
     importlib.import_module("httpx")  # before the start: every process begins its clients at once
     messages.put("ready")
     go.wait()
@@ -238,7 +236,8 @@ def _client_process(base: str, bodies: list, clients: int, headers, go, messages
         answers, error = asyncio.run(closed_loop(base, bodies, clients, headers))[0], None
     except Exception as failure:  # noqa: BLE001 - the parent raises it
         answers, error = None, f"{type(failure).__name__}: {failure}"
-    messages.put((index, answers, began, time.perf_counter(), process_cpu_s() - cpu, error))
+    messages.put({"index": index, "answers": answers, "began": began, "ended": time.perf_counter(),
+                  "cpu_s": process_cpu_s() - cpu, "error": error})
 
 
 def summarize(answers: list, seconds: float, new_tokens: int = NEW_TOKENS) -> dict:
@@ -422,15 +421,10 @@ def server_rows(args) -> dict:
         for run in ("first", "second"):
             for level in levels:
                 bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
-                before = {}
-
-                def on_start():  # the server's counters from when the clients start
-                    before.update(server_cpu=process_cpu_s(process.pid), counters=metrics(base),
-                                  logged=log.stat().st_size)
-
-                answers, seconds, client_cpu = run_clients(base, bodies, level, processes=args.server_client_processes,
-                                                           on_start=on_start)
-                server_cpu, counters, logged = before["server_cpu"], before["counters"], before["logged"]
+                # The server's counters from when the clients start.
+                answers, seconds, client_cpu, (server_cpu, counters, logged) = run_clients(
+                    base, bodies, level, processes=args.server_client_processes,
+                    on_start=lambda: (process_cpu_s(process.pid), metrics(base), log.stat().st_size))
                 # Cores busy on average: a client process near 1 is the measurement's own limit; the server's are its
                 # processes' together (the engine's alone: engine_cores_busy, from /metrics).
                 cores = {"client_processes": len(client_cpu), "client_cores_busy": sum(client_cpu) / seconds,

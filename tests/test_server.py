@@ -405,12 +405,12 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     urls = [data_url(png(image(64, 32 + 16 * index))) for index in range(4)]
     bodies = [chat_body(index, url, model=NAME, new_tokens=12) for index, url in enumerate(urls)]
     before, seen = metrics(server.url), len(server.log_text())
-    began, started = time.perf_counter(), []
-    answers, seconds, client_cpu = run_clients(server.url, bodies, 2, headers=HEADERS, processes=2,
-                                               on_start=lambda: started.append(time.perf_counter()))
+    began = time.perf_counter()
+    answers, seconds, client_cpu, started = run_clients(server.url, bodies, 2, headers=HEADERS, processes=2,
+                                                        on_start=time.perf_counter)
     assert len(client_cpu) == 2 and all(cpu > 0 for cpu in client_cpu)
-    assert 0 < seconds < time.perf_counter() - started[0]  # from the clients' start, not the processes'
-    assert began < started[0] <= min(answer["sent"] for answer in answers)  # once every process was ready
+    assert 0 < seconds < time.perf_counter() - started  # from the clients' start, not the processes'
+    assert began < started <= min(answer["sent"] for answer in answers)  # once every process was ready
     counters = batch_counters(before, metrics(server.url), seconds)  # GET /metrics: what the batch did meanwhile
     assert counters["prefills"] >= 2 and counters["requests_per_prefill"] * counters["prefills"] == 4
     assert counters["decode_steps"] >= 11 and counters["gpu_prefill_busy"] == counters["gpu_decode_busy"] == 0  # CPU

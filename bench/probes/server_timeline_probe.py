@@ -263,7 +263,7 @@ def main() -> None:
         for run in ("first", "second"):
             if run == "second":
                 (folder / "start").write_text(str(args.seconds))
-            answers, seconds, _ = run_clients(base, bodies, args.concurrency)
+            answers, seconds, *_ = run_clients(base, bodies, args.concurrency)
             rows.append({"run": run, **summarize(answers, seconds)})
             print(json.dumps(rows[-1]), flush=True)
         deadline = time.monotonic() + 300
