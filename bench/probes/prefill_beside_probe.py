@@ -6,7 +6,9 @@ CUDA graph of its own pool and capture stream:
 - `beside`: the N steps on a stream of the device's greatest priority, the prefill on one of the least, both let go
   at once (`beside_equal`: both streams of one priority);
 - `beside_prefill_<S>_sms` (`--prefill-sms S ...`): the prefill on the stream of a CUDA green context of S SMs, the
-  steps on one of the whole device: the prefill cannot take every SM, so the steps, bound by memory, keep some.
+  steps on one of the whole device: the prefill cannot take every SM, so the steps, bound by memory, keep some
+  (`_captured_there`: the prefill's graph captured on that stream, in case a graph's kernels keep the context of their
+  capture).
 
 Reported per form: the wall time of the whole, the decode steps' durations (p50, max: what a stream's tokens wait
 for) and when the prefill ended, beside the decode step and the prefill timed alone; and whether the decoding rows'
@@ -122,10 +124,12 @@ def measure(args) -> None:
     high, low, one, other = (torch.cuda.Stream(priority=greatest), torch.cuda.Stream(priority=least),
                              torch.cuda.Stream(), torch.cuda.Stream())
     streams = {"sequential": (one, one), "beside": (high, low), "beside_equal": (one, other)}
-    unsupported = {}
+    unsupported, contexts = {}, []  # a green context freed takes its streams' work down with it
     for sms in args.prefill_sms:
         try:
-            streams[f"beside_prefill_{sms}_sms"] = (one, green_stream(sms))
+            contexts.append(green_context(sms))
+            streams[f"beside_prefill_{sms}_sms"] = streams[f"beside_prefill_{sms}_sms_captured_there"] = (
+                one, contexts[-1].Stream())
         except Exception as error:  # noqa: BLE001 - this torch, driver or device has none: said in the JSON
             unsupported[f"beside_prefill_{sms}_sms"] = f"{type(error).__name__}: {error}"
     results, graphs = [], []  # every graph kept: a pool whose graphs are all gone cannot take a new capture
@@ -147,14 +151,20 @@ def measure(args) -> None:
                    "prompt_tokens": args.prompt_tokens, "steps": args.steps}
             for form in streams:
                 try:
-                    runs = [timed(decode_graph, prefill_graph, args.steps, form, streams) for _ in range(args.repeats)]
+                    form_prefill = prefill_graph
+                    if form.endswith("_captured_there"):  # kernel nodes may keep the context they were captured in
+                        form_prefill = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(form_prefill, stream=streams[form][1]):
+                            setup.prefill_step()
+                        graphs.append(form_prefill)
+                    runs = [timed(decode_graph, form_prefill, args.steps, form, streams) for _ in range(args.repeats)]
                 except RuntimeError as error:  # a green context's stream the graphs or events cannot use
                     unsupported[form] = f"{type(error).__name__}: {error}"
                     torch.cuda.synchronize()
                     continue
                 row[form] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
                 if form.startswith("beside_prefill_"):  # what the SMs it has give the prefill alone
-                    row[form]["prefill_alone_ms"] = alone_ms(prefill_graph, streams[form][1], args.repeats)
+                    row[form]["prefill_alone_ms"] = alone_ms(form_prefill, streams[form][1], args.repeats)
                 row[form]["wall_ms_range"] = [min(run["wall_ms"] for run in runs), max(run["wall_ms"] for run in runs)]
                 row[form]["logits_equal_apart"] = bool(torch.equal(setup.decode_logits, apart[0])
                                                        and torch.equal(setup.prompt_logits, apart[1]))
@@ -168,11 +178,11 @@ def measure(args) -> None:
                         "unsupported": unsupported})
 
 
-def green_stream(sms: int) -> torch.cuda.Stream:
-    """The stream of a new CUDA green context of `sms` SMs (kernels and graphs launched there run on those alone)."""
+def green_context(sms: int):
+    """A new CUDA green context of `sms` SMs (kernels launched on its streams run on those alone)."""
     from torch.cuda.green_contexts import GreenContext
 
-    return GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device()).Stream()
+    return GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
 
 
 def check() -> None:
