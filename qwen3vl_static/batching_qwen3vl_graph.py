@@ -1050,7 +1050,8 @@ class GraphBatchingManager:
             tokens, _ = runner.collect(chunk.handle)
         self.stats["host_wait_ms"] += 1000 * (time.perf_counter() - began)
         self._clients_behind = not all(delivery.taken for delivery in self._handed)  # they had a chunk's time
-        if chunk.events:
+        if chunk.events:  # the end event comes after the tokens' copy: done a moment later, maybe not yet
+            chunk.events[1].synchronize()
             self.stats["decode_ms"] += chunk.events[0].elapsed_time(chunk.events[1])
         while self._spans and self._spans[0][2].query():  # the prefills and waits done by now
             stat, before, after = self._spans.popleft()
