@@ -613,6 +613,28 @@ def test_rows_beside_a_prefill_join_by_the_step_count_or_while_requests_stream_w
     assert joins_now(untimed, work, follows_timing=True)
 
 
+def test_a_chunks_decode_time_is_read_once_its_end_event_is_done():
+    """The end event follows the tokens' copy, so the host can hold the tokens a moment before the device has passed
+    it: CUDA refuses the elapsed time of an event not yet done, which used to stop the whole batch."""
+    from qwen3vl_static.batching_qwen3vl_graph import _Chunk
+
+    class Event:  # as a CUDA timing event: elapsed_time only once both are done
+        def __init__(self, done):
+            self.done = done
+
+        def synchronize(self):
+            self.done = True
+
+        def elapsed_time(self, end):
+            if not (self.done and end.done):
+                raise RuntimeError("Both events must be completed before calculating elapsed time.")
+            return 2.5
+
+    manager = new_pair()[0].init_continuous_batching()
+    manager._read_tokens(_Chunk(None, {}, 0, [], events=(Event(True), Event(False))), scheduler=None, runner=None)
+    assert manager.stats["decode_ms"] == 2.5
+
+
 def test_an_image_prefill_beside_decoding_rows_counts_its_towers_work_before_it(monkeypatch):
     """The side stream runs an image request's tower (encoded ahead, beside a chunk) before its prefill, so its rows
     begin decoding after the steps of both: its features count `TOWER_TOKENS_PER_FEATURE` prompt tokens each."""
