@@ -440,14 +440,18 @@ def server_rows(args) -> dict:
                 if run == "second" and level == levels[0]:
                     first_level_answers = answers
     finally:
+        stopping = time.perf_counter()
         process.terminate()  # SIGTERM: the server drains and exits
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        stop_s = time.perf_counter() - stopping
     checked = list(range(min(counts[levels[0]], MIN_REQUESTS)))  # the first level's first answers
+    began = time.perf_counter()
     expected, processor = reference_answers(args.model, urls, checked, args.kv_cache_dtype)
+    reference_s = time.perf_counter() - began
     # Random weights leave near-ties that bf16 rounding of another schedule (the batch's cache and kernels, not
     # generate's) settles either way, and an answer goes its own way after one: the leading tokens that agree say
     # how far. The CUDA tests check the batch's tokens against stock's where the margin is clear.
@@ -455,7 +459,9 @@ def server_rows(args) -> dict:
                 for answer, tokens in zip(first_level_answers, expected)]
     text = log.read_text()
     http_processes, render_threads = served_processes(text)
-    return {"rows": rows, "server_start_s": start_s, "server_log_tail": text[-4000:],
+    # Where a run's fixed time goes, beside the passes: the server's start and its drain at SIGTERM, the reference.
+    return {"rows": rows, "server_start_s": start_s, "server_stop_s": stop_s, "reference_s": reference_s,
+            "server_log_tail": text[-4000:],
             f"concurrency_{levels[0]}_answers_equal_generate": f"{agreeing.count(NEW_TOKENS)}/{len(agreeing)}",
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "kv_cache_dtype": args.kv_cache_dtype, "requests_per_client": args.server_requests_per_client,
