@@ -30,7 +30,7 @@ from qwen3vl_static.convert import convert
 from qwen3vl_static.dataset_runner import load_processor
 from qwen3vl_static.media import MediaError, MediaLimits, fetch_image
 from qwen3vl_static.modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
-from qwen3vl_static.server import render_threads
+from qwen3vl_static.server import RENDER_NICENESS, render_pool, render_threads
 
 KEY = "test-key"
 NAME = "tiny"
@@ -503,3 +503,18 @@ def test_an_engine_that_dies_fails_the_requests_in_flight_and_the_server_exits(w
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_requests_render_below_the_threads_that_send_tokens():
+    """The render threads run at a lower priority than the event loop's thread: in a burst of renders the loop, which
+    sends every stream's tokens, gets the cores first."""
+    def niceness(_=None):
+        time.sleep(0.05)  # every thread of the pool takes one
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = niceness()
+    with render_pool(2) as pool:
+        theirs = set(pool.map(niceness, range(4)))
+    assert theirs == {min(19, mine + RENDER_NICENESS)}
+    assert niceness() == mine
