@@ -647,10 +647,14 @@ def render_pool(threads: int) -> ThreadPoolExecutor:
 
 
 def _lower_priority() -> None:
-    """This thread's niceness raised by RENDER_NICENESS (Linux sets it per thread; elsewhere nothing)."""
+    """This thread's niceness raised by RENDER_NICENESS (Linux sets it per thread; elsewhere nothing). A system that
+    refuses leaves it as it was: a failing initializer would break the pool, and every render with it."""
     if sys.platform.startswith("linux"):
         thread = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + RENDER_NICENESS)
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + RENDER_NICENESS)
+        except OSError as error:
+            logger.warning("render threads run at the event loop's priority: %s", error)
 
 
 def render_threads(api_servers: int) -> int:

@@ -518,3 +518,16 @@ def test_requests_render_below_the_threads_that_send_tokens():
         theirs = set(pool.map(niceness, range(4)))
     assert theirs == {min(19, mine + RENDER_NICENESS)}
     assert niceness() == mine
+
+
+def test_a_system_that_refuses_niceness_still_renders(monkeypatch, caplog):
+    """Where the OS refuses to lower a thread's priority, the pool renders at the loop's priority instead of failing
+    every request (a failing initializer breaks a ThreadPoolExecutor)."""
+    def refuse(*_):
+        raise PermissionError("not here")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    with render_pool(1) as pool:
+        assert pool.submit(lambda: 42).result() == 42
+    if sys.platform.startswith("linux"):
+        assert "render threads run at the event loop's priority" in caplog.text
