@@ -1,5 +1,5 @@
-"""How late does an HTTP process's event loop run while its render threads render a burst of requests, by the
-interpreter's switch interval? The loop is what sends every stream's tokens: each of its wake-ups that comes late
+"""How late does an HTTP process's event loop run while its render threads render a burst of requests, by their number
+and priority and the interpreter's switch interval? The loop is what sends every stream's tokens: each of its wake-ups that comes late
 delays the tokens of all the streams the process serves (the inter-token p99 at 64 clients).
 
 One process as `serve`'s HTTP processes are: an asyncio loop and a pool of render threads. A ticker on the loop sleeps
