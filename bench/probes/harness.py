@@ -1,5 +1,5 @@
-"""What the probes share: a CUDA device check, timing a CUDA graph's replays, a model's decode ms/step, and the JSON
-each probe writes (with the command that made it and the device it ran on).
+"""What the probes share: a CUDA device check, timing a CUDA graph's replays, a model's decode ms/step, the JSON
+each probe writes (with the command that made it and the device it ran on), and `bench --server`'s chat.
 
 Probes import it as `harness` (Python puts the probe's own folder first on the path). Kernels a probe times alone
 go through the tuner's own method, `KernelTuner().time_calls` (each call its own graph between two small kernels,
@@ -76,3 +76,18 @@ def write_json(result: dict, suffix: str = "") -> Path:
     path.write_text(json.dumps({**header, **result}, indent=1))
     print(f"wrote {path}")
     return path
+
+
+def bench_chat(media) -> list:
+    """`bench --server`'s first chat (its 448x448 JPEG and question) with the image's bytes fetched within `media`'s
+    limits, as an HTTP process reads them: what `render_chat` takes."""
+    import asyncio
+
+    import numpy as np
+
+    from qwen3vl_static.bench_server import chat_body, image_url
+    from qwen3vl_static.media import fetch_image_data
+
+    content = chat_body(0, image_url(np.random.default_rng(0)))["messages"][0]["content"]
+    data = asyncio.run(fetch_image_data(content[0]["image_url"]["url"], media, None))
+    return [{"role": "user", "content": [{"type": "image", "image": data}, content[1]]}]

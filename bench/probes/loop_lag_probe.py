@@ -1,6 +1,6 @@
 """How late does an HTTP process's event loop run while its render threads render a burst of requests, by their number
-and priority and the interpreter's switch interval? The loop is what sends every stream's tokens: each of its wake-ups that comes late
-delays the tokens of all the streams the process serves (the inter-token p99 at 64 clients).
+and priority and the interpreter's switch interval? The loop is what sends every stream's tokens: each of its
+wake-ups that comes late delays the tokens of all the streams the process serves (the inter-token p99 at 64 clients).
 
 One process as `serve`'s HTTP processes are: an asyncio loop and a pool of render threads. A ticker on the loop sleeps
 1 ms at a time and records how late each wake-up comes, while bursts of `bench --server`'s chat (its 448x448 JPEG data
@@ -23,10 +23,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
-from qwen3vl_static.bench_server import bench_processor, chat_body, image_url
-from qwen3vl_static.media import MediaLimits, fetch_image_data
+import harness
+from qwen3vl_static.bench_server import bench_processor
+from qwen3vl_static.media import MediaLimits
 from qwen3vl_static.server import RENDER_NICENESS, render_chat, render_pool
 
 TICK_S = 0.001
@@ -73,10 +72,7 @@ def main() -> None:
     parser.add_argument("--switch-ms", type=float, nargs="+", default=[5.0, 0.5])
     args = parser.parse_args()
     processor, media = bench_processor("2b"), MediaLimits()
-    body = chat_body(0, image_url(np.random.default_rng(0)))
-    content = body["messages"][0]["content"]
-    data = asyncio.run(fetch_image_data(content[0]["image_url"]["url"], media, None))
-    messages = [{"role": "user", "content": [{"type": "image", "image": data}, content[1]]}]
+    messages = harness.bench_chat(media)
 
     def render():
         render_chat(processor, media, messages)

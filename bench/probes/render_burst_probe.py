@@ -18,10 +18,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
-from qwen3vl_static.bench_server import bench_processor, chat_body, image_url
-from qwen3vl_static.media import MediaLimits, fetch_image_data
+import harness
+from qwen3vl_static.bench_server import bench_processor
+from qwen3vl_static.media import MediaLimits
 from qwen3vl_static.server import render_chat
 
 
@@ -32,10 +31,7 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=7)
     args = parser.parse_args()
     processor, media = bench_processor("2b"), MediaLimits()
-    body = chat_body(0, image_url(np.random.default_rng(0)))
-    content = body["messages"][0]["content"]
-    data = asyncio.run(fetch_image_data(content[0]["image_url"]["url"], media, None))
-    messages = [{"role": "user", "content": [{"type": "image", "image": data}, content[1]]}]
+    messages = harness.bench_chat(media)
     for _ in range(5):
         render_chat(processor, media, messages)
     began = time.perf_counter()
