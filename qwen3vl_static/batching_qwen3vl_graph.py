@@ -101,6 +101,7 @@ PREFILL_TOKENS_PER_STEP_ROW = 3
 TOWER_TOKENS_PER_FEATURE = 1.25
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 MAX_SLOTS = 512  # past this many rows a step's KV reads grow with the rows and tokens/s no longer does
+LONG_STALL_MS = 10  # a gap between decode chunks this long holds every decoding stream's next token as long
 
 
 def kv_bytes_per_slot(config, dtype: torch.dtype) -> int:
@@ -309,13 +310,16 @@ class GraphBatchingManager:
         # run eagerly for want of a graph, and launched while rows decoded: beside them) and the requests they
         # admitted, the ms the admitted requests waited from `add_request` to their prefill's launch (of it, in the
         # input queue until this thread took them in) and from it to the host reading their first token (any device),
-        # requests with images encoded ahead (beside a chunk) and at their admission.
+        # requests with images encoded ahead (beside a chunk) and at their admission, and the GPU time between two
+        # decode chunks while requests went on decoding (`stall_ms`: no step queued for them; `long_stalls`: gaps of
+        # LONG_STALL_MS or more).
         self.stats = dict.fromkeys(("prefill_ms", "decode_ms", "activation_wait_ms", "activation_slack_ms",
                                     "host_wait_ms", "admit_host_ms", "take_in_ms", "media_ahead_host_ms", "chunks",
                                     "steps", "row_steps", "request_steps", "prefills", "eager_prefills",
                                     "prefills_beside", "admitted", "admission_wait_ms", "queued_ms", "first_token_ms",
-                                    "encoded_ahead", "encoded_at_admission"), 0)
+                                    "encoded_ahead", "encoded_at_admission", "stall_ms", "long_stalls"), 0)
         self._spans = deque()  # (stat, CUDA event before, after) of GPU time not counted in `stats` yet
+        self._last_chunk = None  # (its end event, its requests' ids) of the last decode chunk timed
         self._side_work = SideWork(None)  # the batch's (`_loop`)
 
     # -- transformers' manager API --------------------------------------------------------------------------
@@ -576,6 +580,7 @@ class GraphBatchingManager:
                 if timed:
                     chunk.events = (before, _event())
                     chunk.done = chunk.events[-1]
+                    self._time_stall(chunk)
                 self.stats["chunks"] += 1
                 self.stats["steps"] += steps
                 self.stats["row_steps"] += runner.batch_size * steps
@@ -1053,9 +1058,12 @@ class GraphBatchingManager:
         if chunk.events:  # the end event comes after the tokens' copy: done a moment later, maybe not yet
             chunk.events[1].synchronize()
             self.stats["decode_ms"] += chunk.events[0].elapsed_time(chunk.events[1])
-        while self._spans and self._spans[0][2].query():  # the prefills and waits done by now
+        while self._spans and self._spans[0][2].query():  # the prefills, waits and stalls done by now
             stat, before, after = self._spans.popleft()
-            self.stats[stat] += before.elapsed_time(after)
+            elapsed = before.elapsed_time(after)
+            self.stats[stat] += elapsed
+            if stat == "stall_ms" and elapsed >= LONG_STALL_MS:
+                self.stats["long_stalls"] += 1
         if chunk.handle is not None:
             tokens = tokens.tolist()
             for row, sequence in chunk.owners.items():
@@ -1071,6 +1079,15 @@ class GraphBatchingManager:
             elif sequence.streaming and len(sequence.output.generated_tokens) > sequence.delivered:
                 sequence.delivered = len(sequence.output.generated_tokens)
                 self._deliver(sequence, final=False)
+
+    def _time_stall(self, chunk: _Chunk) -> None:
+        """The GPU time from the last decode chunk's end to `chunk`'s start, where requests of the one go on decoding
+        in the other: their streams' next token waited that long on top of the steps (the host issuing admissions or
+        taking requests in while the GPU had no step of theirs queued, or the rows' own wait for a prefill)."""
+        ids = {sequence.output.request_id for sequence in chunk.owners.values()}
+        if self._last_chunk is not None and self._last_chunk[1] & ids:
+            self._spans.append(("stall_ms", self._last_chunk[0], chunk.events[0]))
+        self._last_chunk = chunk.events[1], ids
 
     def _append(self, sequence: Sequence, tokens: list, scheduler, runner) -> None:
         """Record a request's new tokens up to its end; at its end, its result goes out and its row frees."""

@@ -295,7 +295,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     through), and from its end to its rows beginning (time they could have decoded). Of the requests with images, the
     share the tower encoded beside a decode chunk rather than as they entered. The shares of the row's time the batch's
     thread waited for the GPU (reading a chunk's tokens: near 0, the host bounds the batch, not the GPU), issued
-    admissions, took requests in and issued the tower ahead."""
+    admissions, took requests in and issued the tower ahead; and of the GPU's time between decode chunks while
+    requests went on decoding, with the count of such gaps of 10 ms or more (each held every stream's next token)."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
 
@@ -323,6 +324,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "admit_host_share": grown("admit_host_seconds_total") / seconds,
             "take_in_share": grown("take_in_seconds_total") / seconds,
             "media_ahead_host_share": grown("media_ahead_host_seconds_total") / seconds,
+            "decode_stall_share": grown("gpu_decode_stall_seconds_total") / seconds,
+            "decode_long_stalls": int(grown("decode_long_stalls_total")),
             "encoded_ahead_share": ahead / max(ahead + grown("requests_encoded_at_admission_total"), 1)}
 
 

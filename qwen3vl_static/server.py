@@ -89,6 +89,10 @@ METRICS = {
                       "requests whose images the vision tower encoded beside a decode chunk, before they entered"),
     "encoded_at_admission": ("qwen3vl_static_requests_encoded_at_admission_total", 1,
                              "requests whose images the vision tower encoded as they entered"),
+    "stall_ms": ("qwen3vl_static_gpu_decode_stall_seconds_total", 1e-3,
+                 "GPU time between two decode chunks while requests went on decoding: no step of theirs queued"),
+    "long_stalls": ("qwen3vl_static_decode_long_stalls_total", 1,
+                    "gaps between decode chunks of 10 ms or more while requests went on decoding"),
     "engine_cpu_s": ("qwen3vl_static_engine_cpu_seconds_total", 1, "CPU time of the engine process"),
 }
 

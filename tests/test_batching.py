@@ -635,6 +635,41 @@ def test_a_chunks_decode_time_is_read_once_its_end_event_is_done():
     assert manager.stats["decode_ms"] == 2.5
 
 
+def test_gaps_between_decode_chunks_count_as_stalls_only_while_their_requests_go_on_decoding():
+    """The GPU time from one chunk's end to the next one's start counts as a stall when a request of the first decodes
+    in the second too (its stream's next token waited); a chunk of new requests only, after the others ended, starts
+    no stall. Gaps of LONG_STALL_MS or more are counted apart, and /metrics names that length."""
+    from qwen3vl_static.batching_qwen3vl_graph import LONG_STALL_MS, _Chunk
+    from qwen3vl_static.server import METRICS
+
+    class Event:  # a CUDA timing event recorded at `at` ms, done
+        def __init__(self, at):
+            self.at = at
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    def request(request_id):
+        return SimpleNamespace(output=SimpleNamespace(request_id=request_id))
+
+    manager = new_pair()[0].init_continuous_batching()
+    a, b, c = request("a"), request("b"), request("c")
+    chunks = [((0, 3), {0: a, 1: b}), ((5, 8), {0: a}), ((20, 23), {0: a, 1: c}), ((40, 43), {0: c})]
+    other = _Chunk(None, {}, 0, [], events=(Event(60), Event(63)))
+    other.owners = {0: request("d")}
+    for (start, end), owners in chunks:
+        chunk = _Chunk(None, owners, 1, [], events=(Event(start), Event(end)))
+        manager._time_stall(chunk)
+    manager._time_stall(other)  # "d" alone: the gap before it is no stall
+    manager._read_tokens(_Chunk(None, {}, 0, []), scheduler=None, runner=None)
+    assert manager.stats["stall_ms"] == 2 + 12 + 17
+    assert manager.stats["long_stalls"] == 2
+    assert f"{LONG_STALL_MS} ms" in METRICS["long_stalls"][2]
+
+
 def test_an_image_prefill_beside_decoding_rows_counts_its_towers_work_before_it(monkeypatch):
     """The side stream runs an image request's tower (encoded ahead, beside a chunk) before its prefill, so its rows
     begin decoding after the steps of both: its features count `TOWER_TOKENS_PER_FEATURE` prompt tokens each."""
