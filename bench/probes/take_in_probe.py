@@ -1,0 +1,71 @@
+"""What does taking a server request in cost the batch's thread on the host, with nothing else running? The 2B config
+(weights and cache on the meta device: no memory, no GPU), `bench --server`'s chats rendered as an HTTP process
+renders them (patches as uint8), queued with `add_request` as the engine process queues them, then `_take_in` (the
+checks, the settings, the M-RoPE positions) until the queue is empty. Reported: ms per request, median of the runs,
+to set beside the batch thread's `take_in` time per request at 64 server clients (`bench --server`'s
+`take_in_share`): the difference is the thread's wait for a core or the interpreter. CPU only.
+
+Usage: python bench/probes/take_in_probe.py [--requests 64] [--runs 5]
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import harness
+from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
+from qwen3vl_static.bench_server import bench_processor
+from qwen3vl_static.media import MediaLimits
+from qwen3vl_static.pixels import PixelNormalizer, as_uint8
+from qwen3vl_static.presets import real_config
+from qwen3vl_static.scheduler_qwen3vl_graph import Scheduler
+from qwen3vl_static.server import render_chat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the batch's thread, alone
+    with torch.device("meta"):
+        model = Qwen3VLGraphForConditionalGeneration(
+            real_config("2b", max_batch_size=args.requests, static_cache_len=512)).eval()
+    processor, media = bench_processor("2b"), MediaLimits()
+    PixelNormalizer.raw(processor.image_processor)  # as the HTTP processes run it for an engine taking uint8
+    inputs = render_chat(processor, media, harness.bench_chat(media))
+    ids = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask")
+    inputs["pixel_values"] = as_uint8(inputs["pixel_values"])
+    manager, engine = model.init_continuous_batching(), model.graph_engine()
+    per_request = []
+    for _ in range(args.runs):
+        for _ in range(args.requests):
+            manager.add_request(ids, max_new_tokens=128, streaming=True, **inputs)
+        scheduler, began = Scheduler(engine.cache.rows, manager.max_prefill_tokens), time.perf_counter()
+        while not manager.input_queue.empty():
+            manager._take_in(scheduler, engine, wait=False)
+            scheduler.waiting.clear()  # room for the next: what is measured is the taking in
+        per_request.append(1000 * (time.perf_counter() - began) / args.requests)
+    row = {"take_in_ms_per_request": statistics.median(per_request), "runs_ms": per_request}
+    print(f"taking a request in: {row['take_in_ms_per_request']:.3f} ms (runs {min(per_request):.3f}-"
+          f"{max(per_request):.3f})")
+    out = Path(os.environ.get("OUT", "bench/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"cpu-{os.cpu_count()}core-{Path(sys.argv[0]).stem}.json"
+    path.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "machine": platform.machine(),
+                                "cores": os.cpu_count(), "python": platform.python_version(),
+                                "torch": torch.__version__, "requests": args.requests, "prompt_tokens": len(ids),
+                                "patches": list(inputs["pixel_values"].shape), **row}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
