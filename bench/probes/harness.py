@@ -1,5 +1,5 @@
 """What the probes share: a CUDA device check, timing a CUDA graph's replays, a model's decode ms/step, the JSON
-each probe writes (with the command that made it and the device it ran on), and `bench --server`'s chat.
+each probe writes (with the command that made it and the device or the CPU it ran on), and `bench --server`'s chat.
 
 Probes import it as `harness` (Python puts the probe's own folder first on the path). Kernels a probe times alone
 go through the tuner's own method, `KernelTuner().time_calls` (each call its own graph between two small kernels,
@@ -9,6 +9,7 @@ L2 flushed), so a probe's microseconds are the ones the tuner compares.
 import gc
 import json
 import os
+import platform
 import statistics
 import sys
 from pathlib import Path
@@ -73,6 +74,19 @@ def write_json(result: dict, suffix: str = "") -> Path:
     path = out / f"{Path(sys.argv[0]).stem}{suffix}.json"
     header = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "triton": triton.__version__}
+    path.write_text(json.dumps({**header, **result}, indent=1))
+    print(f"wrote {path}")
+    return path
+
+
+def write_cpu_json(result: dict) -> Path:
+    """A CPU probe's `result` as `$OUT/cpu-<cores>core-<probe>.json` (default `bench/results/`), headed by the command
+    line and the machine and software it ran on."""
+    out = Path(os.environ.get("OUT", "bench/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"cpu-{os.cpu_count()}core-{Path(sys.argv[0]).stem}.json"
+    header = {"command": " ".join(["python", *sys.argv]), "machine": platform.machine(), "cores": os.cpu_count(),
+              "python": platform.python_version(), "torch": torch.__version__}
     path.write_text(json.dumps({**header, **result}, indent=1))
     print(f"wrote {path}")
     return path

@@ -8,16 +8,12 @@ Usage: python bench/probes/intake_probe.py [--requests 2048] [--runs 3]
 """
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+import harness
 from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.bench_batching import PROMPT_TOKENS
 from qwen3vl_static.presets import tiny_config
@@ -66,13 +62,7 @@ def main() -> None:
             at, checked = marks["first"]
             rows[kind].append({"ms_to_first_prefill": 1000 * (at - began), "checked_before_it": checked})
             print(kind, rows[kind][-1])
-    out = Path(os.environ.get("OUT", "bench/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cpu-{os.cpu_count()}core-{Path(sys.argv[0]).stem}.json"
-    path.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "machine": platform.machine(),
-                                "cores": os.cpu_count(), "python": platform.python_version(),
-                                "torch": torch.__version__, "requests": args.requests, "runs": rows}, indent=1))
-    print(f"wrote {path}")
+    harness.write_cpu_json({"requests": args.requests, "runs": rows})
 
 
 if __name__ == "__main__":

@@ -14,14 +14,10 @@ Usage: python bench/probes/loop_lag_probe.py [--burst 16] [--threads 4 1] [--bur
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import harness
 from qwen3vl_static.bench_server import bench_processor
@@ -91,15 +87,8 @@ def main() -> None:
             rows[f"switch {switch_ms} ms, {name}"] = row
             print(f"switch {switch_ms} ms, {name}: late p50 {row['late_ms_p50']:.2f} / p99 {row['late_ms_p99']:.2f} / "
                   f"max {row['late_ms_max']:.2f} ms, render p50 {row['render_ms_p50']}", flush=True)
-    out = Path(os.environ.get("OUT", "bench/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cpu-{os.cpu_count()}core-{Path(sys.argv[0]).stem}.json"
-    path.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "machine": platform.machine(),
-                                "cores": os.cpu_count(), "python": platform.python_version(), "burst": args.burst,
-                                "bursts": args.bursts,
-                                "image_processor": type(processor.image_processor).__name__, "forms": rows},
-                               indent=1))
-    print(f"wrote {path}")
+    harness.write_cpu_json({"burst": args.burst, "bursts": args.bursts,
+                            "image_processor": type(processor.image_processor).__name__, "forms": rows})
 
 
 if __name__ == "__main__":

@@ -9,14 +9,9 @@ Usage: python bench/probes/render_burst_probe.py [--burst 16] [--threads 1 2 4] 
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import harness
 from qwen3vl_static.bench_server import bench_processor
@@ -59,13 +54,7 @@ def main() -> None:
                                        max(statistics.median(each) for each in bursts)]}
         print(f"{name}: p50 {rows[name]['p50_ms']:.1f} ms, max {rows[name]['max_ms']:.1f} ms")
     print(f"one render alone: {alone_ms:.1f} ms")
-    out = Path(os.environ.get("OUT", "bench/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cpu-{os.cpu_count()}core-{Path(sys.argv[0]).stem}.json"
-    path.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "machine": platform.machine(),
-                                "cores": os.cpu_count(), "python": platform.python_version(), "burst": args.burst,
-                                "bursts": args.bursts, "render_alone_ms": alone_ms, "forms": rows}, indent=1))
-    print(f"wrote {path}")
+    harness.write_cpu_json({"burst": args.burst, "bursts": args.bursts, "render_alone_ms": alone_ms, "forms": rows})
 
 
 if __name__ == "__main__":

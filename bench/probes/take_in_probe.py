@@ -9,13 +9,8 @@ Usage: python bench/probes/take_in_probe.py [--requests 64] [--runs 5]
 """
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -57,14 +52,8 @@ def main() -> None:
     row = {"take_in_ms_per_request": statistics.median(per_request), "runs_ms": per_request}
     print(f"taking a request in: {row['take_in_ms_per_request']:.3f} ms (runs {min(per_request):.3f}-"
           f"{max(per_request):.3f})")
-    out = Path(os.environ.get("OUT", "bench/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cpu-{os.cpu_count()}core-{Path(sys.argv[0]).stem}.json"
-    path.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "machine": platform.machine(),
-                                "cores": os.cpu_count(), "python": platform.python_version(),
-                                "torch": torch.__version__, "requests": args.requests, "prompt_tokens": len(ids),
-                                "patches": list(inputs["pixel_values"].shape), **row}, indent=1))
-    print(f"wrote {path}")
+    harness.write_cpu_json({"requests": args.requests, "prompt_tokens": len(ids),
+                            "patches": list(inputs["pixel_values"].shape), **row})
 
 
 if __name__ == "__main__":
