@@ -318,7 +318,7 @@ class GraphBatchingManager:
                                     "steps", "row_steps", "request_steps", "prefills", "eager_prefills",
                                     "prefills_beside", "admitted", "admission_wait_ms", "queued_ms", "first_token_ms",
                                     "encoded_ahead", "encoded_at_admission", "stall_ms", "long_stalls"), 0)
-        self._spans = deque()  # (stat, CUDA event before, after) of GPU time not counted in `stats` yet
+        self._spans = deque()  # (stat, CUDA event before, after) of GPU time not in `stats` yet (`_count_spans`)
         self._last_chunk = None  # (its end event, its requests' ids) of the last decode chunk timed
         self._side_work = SideWork(None)  # the batch's (`_loop`)
 
@@ -535,6 +535,7 @@ class GraphBatchingManager:
         prefilled = []  # `_Prefilled` prompts whose rows do not decode yet
         while True:
             if not (scheduler.has_work() or in_flight):
+                self._count_spans(wait=True)  # all read: nothing is left running to wait for
                 self._take_in(scheduler, engine, wait=True)
             # A long prompt's next chunk takes the turn's prefill budget; else waiting requests enter, while rows are
             # in use only once their images are encoded (ahead, beside a chunk): no prefill waits for the tower.
@@ -580,6 +581,7 @@ class GraphBatchingManager:
                 if timed:
                     chunk.events = (before, _event())
                     chunk.done = chunk.events[-1]
+                    self._spans.append(("decode_ms", *chunk.events))
                     self._time_stall(chunk)
                 self.stats["chunks"] += 1
                 self.stats["steps"] += steps
@@ -608,6 +610,7 @@ class GraphBatchingManager:
             while len(in_flight) > (1 if chunk is not None else 0):
                 self._read(in_flight.popleft(), scheduler, runner)
             if not in_flight and not scheduler.has_work() and self._stopping.is_set() and self.input_queue.empty():
+                self._count_spans(wait=True)
                 return
 
     def _take_in(self, scheduler, engine, wait: bool) -> None:
@@ -1055,15 +1058,7 @@ class GraphBatchingManager:
             tokens, _ = runner.collect(chunk.handle)
         self.stats["host_wait_ms"] += 1000 * (time.perf_counter() - began)
         self._clients_behind = not all(delivery.taken for delivery in self._handed)  # they had a chunk's time
-        if chunk.events:  # the end event comes after the tokens' copy: done a moment later, maybe not yet
-            chunk.events[1].synchronize()
-            self.stats["decode_ms"] += chunk.events[0].elapsed_time(chunk.events[1])
-        while self._spans and self._spans[0][2].query():  # the prefills, waits and stalls done by now
-            stat, before, after = self._spans.popleft()
-            elapsed = before.elapsed_time(after)
-            self.stats[stat] += elapsed
-            if stat == "stall_ms" and elapsed >= LONG_STALL_MS:
-                self.stats["long_stalls"] += 1
+        self._count_spans(wait=False)
         if chunk.handle is not None:
             tokens = tokens.tolist()
             for row, sequence in chunk.owners.items():
@@ -1079,6 +1074,19 @@ class GraphBatchingManager:
             elif sequence.streaming and len(sequence.output.generated_tokens) > sequence.delivered:
                 sequence.delivered = len(sequence.output.generated_tokens)
                 self._deliver(sequence, final=False)
+
+    def _count_spans(self, wait: bool) -> None:
+        """The GPU time of the spans whose end is done into `stats`, in the order they were queued (`wait`: all of
+        them, waiting for their ends). Never an end not yet done: CUDA refuses its elapsed time, and a chunk's end
+        comes after its tokens' copy, which is all the host waits for when it reads them."""
+        while self._spans and (wait or self._spans[0][2].query()):
+            stat, before, after = self._spans.popleft()
+            if wait:
+                after.synchronize()
+            elapsed = before.elapsed_time(after)
+            self.stats[stat] += elapsed
+            if stat == "stall_ms" and elapsed >= LONG_STALL_MS:
+                self.stats["long_stalls"] += 1
 
     def _time_stall(self, chunk: _Chunk) -> None:
         """The GPU time from the last decode chunk's end to `chunk`'s start, where requests of the one go on decoding

@@ -615,12 +615,14 @@ def test_rows_beside_a_prefill_join_by_the_step_count_or_while_requests_stream_w
 
 def test_a_chunks_decode_time_is_read_once_its_end_event_is_done():
     """The end event follows the tokens' copy, so the host can hold the tokens a moment before the device has passed
-    it: CUDA refuses the elapsed time of an event not yet done, which used to stop the whole batch."""
-    from qwen3vl_static.batching_qwen3vl_graph import _Chunk
-
+    it: CUDA refuses the elapsed time of an event not yet done, which used to stop the whole batch. A turn counts only
+    the spans done by then; going idle or stopping, the batch waits for the rest."""
     class Event:  # as a CUDA timing event: elapsed_time only once both are done
         def __init__(self, done):
             self.done = done
+
+        def query(self):
+            return self.done
 
         def synchronize(self):
             self.done = True
@@ -631,8 +633,11 @@ def test_a_chunks_decode_time_is_read_once_its_end_event_is_done():
             return 2.5
 
     manager = new_pair()[0].init_continuous_batching()
-    manager._read_tokens(_Chunk(None, {}, 0, [], events=(Event(True), Event(False))), scheduler=None, runner=None)
-    assert manager.stats["decode_ms"] == 2.5
+    manager._spans.append(("decode_ms", Event(True), Event(False)))
+    manager._count_spans(wait=False)
+    assert manager.stats["decode_ms"] == 0 and len(manager._spans) == 1
+    manager._count_spans(wait=True)
+    assert manager.stats["decode_ms"] == 2.5 and not manager._spans
 
 
 def test_gaps_between_decode_chunks_count_as_stalls_only_while_their_requests_go_on_decoding():
