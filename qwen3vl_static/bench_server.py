@@ -276,6 +276,15 @@ def server_split(log: str, ttft_ms_p50: float) -> dict:
     return split
 
 
+def gc_pauses_logged(log: str) -> dict:
+    """The garbage collector's pauses of LONG_PAUSE_MS or more that the server's processes logged during a row (`log`):
+    how many in the engine process and in the HTTP processes, and the longest."""
+    found = re.findall(r"(engine process|HTTP process \[\d+\]): garbage collection paused it ([0-9.]+) ms", log)
+    return {"gc_long_pauses_engine": sum(process == "engine process" for process, _ in found),
+            "gc_long_pauses_http": sum(process != "engine process" for process, _ in found),
+            "gc_pause_ms_max": max((float(ms) for _, ms in found), default=0.0)}
+
+
 def metrics(base: str) -> dict:
     """The server's GET /metrics counters by name."""
     import httpx
@@ -295,7 +304,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
     through), and from its end to its rows beginning (time they could have decoded). Of the requests with images, the
     share the tower encoded beside a decode chunk rather than as they entered. The shares of the row's time the batch's
     thread waited for the GPU (reading a chunk's tokens: near 0, the host bounds the batch, not the GPU), issued
-    admissions, took requests in and issued the tower ahead; and of the GPU's time between decode chunks while
+    admissions, took requests in and issued the tower ahead, and the engine process stood still in the garbage
+    collector (with its full passes); and of the GPU's time between decode chunks while
     requests went on decoding, with the count of such gaps of 10 ms or more (each held every stream's next token)."""
     def grown(name):
         return after[f"qwen3vl_static_{name}"] - before[f"qwen3vl_static_{name}"]
@@ -320,6 +330,8 @@ def batch_counters(before: dict, after: dict, seconds: float) -> dict:
             "decode_steps": int(grown("decode_steps_total")),
             "steps_per_chunk": grown("decode_steps_total") / max(grown("decode_chunks_total"), 1),
             "engine_cores_busy": grown("engine_cpu_seconds_total") / seconds,
+            "engine_gc_share": grown("engine_gc_pause_seconds_total") / seconds,
+            "engine_gc_full_collections": int(grown("engine_gc_full_collections_total")),
             "host_wait_share": grown("host_wait_seconds_total") / seconds,
             "admit_host_share": grown("admit_host_seconds_total") / seconds,
             "take_in_share": grown("take_in_seconds_total") / seconds,
@@ -437,7 +449,8 @@ def server_rows(args) -> dict:
                        **batch_counters(counters, metrics(base), seconds)}
                 with log.open("rb") as file:  # what the server logged during the row: its requests' lines
                     file.seek(logged)
-                    row |= server_split(file.read().decode(errors="replace"), row["ttft_ms_p50"])
+                    logged_text = file.read().decode(errors="replace")
+                    row |= server_split(logged_text, row["ttft_ms_p50"]) | gc_pauses_logged(logged_text)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if run == "second" and level == levels[0]:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from .gc_pauses import GcPauses, freeze_startup_heap
 from .pixels import PixelNormalizer
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
                 "image patches cross as %s", os.getpid(), engine.cache.rows, engine.cache.capacity,
                 manager.max_prefill_tokens, "uint8, normalized on the device" if normalizer is not None else
                 "float32 (the processor's own)")
+    freeze_startup_heap("engine process")
     control.send(("ready", info))
     asyncio.run(_Engine(manager, normalizer, info.max_requests, connections).run(control))
 
@@ -135,6 +137,7 @@ class _Engine:
         self.pending = {}  # HTTP process index -> outputs not sent yet
         self.error_sent = False
         self.cpu_start = time.process_time()
+        self.gc = GcPauses("engine process")
         self.loop = None
         self.stopping = None
 
@@ -199,7 +202,8 @@ class _Engine:
             self.manager.cancel_request(message[1])
         elif kind == "stats":
             counters = {**self.manager.stats, "in_flight": len(self.owner),
-                        "engine_cpu_s": time.process_time() - self.cpu_start}
+                        "engine_cpu_s": time.process_time() - self.cpu_start, "engine_gc_ms": self.gc.ms,
+                        "engine_gc_full": self.gc.full}
             self._send(front, ("stats", message[1], counters))
         else:  # "stop"
             self.stopping.set()

@@ -44,6 +44,7 @@ from starlette.requests import ClientDisconnect
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 from .engine_process import EngineClient, EngineProcess
+from .gc_pauses import GcPauses, freeze_startup_heap
 from .media import MediaError, MediaLimits, decode_image, fetch_image_data
 from .pixels import PixelNormalizer, as_uint8
 
@@ -94,6 +95,10 @@ METRICS = {
     "long_stalls": ("qwen3vl_static_decode_long_stalls_total", 1,
                     "gaps between decode chunks of 10 ms or more while requests went on decoding"),
     "engine_cpu_s": ("qwen3vl_static_engine_cpu_seconds_total", 1, "CPU time of the engine process"),
+    "engine_gc_ms": ("qwen3vl_static_engine_gc_pause_seconds_total", 1e-3,
+                     "time the engine process stood still in Python's garbage collector"),
+    "engine_gc_full": ("qwen3vl_static_engine_gc_full_collections_total", 1,
+                       "the garbage collector's passes over the oldest generation in the engine process"),
 }
 
 
@@ -734,6 +739,9 @@ def _http_main(connection, listener, build_processor, info, model_name: str, hos
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per image fetched
     app = OpenAIServer(EngineClient(connection, info), build_processor(), model_name, **settings).app()
+    process = f"HTTP process [{os.getpid()}]"
+    freeze_startup_heap(process)
+    GcPauses(process)  # its long pauses logged while uvicorn runs (`gc.callbacks` keeps it)
     # uvicorn drains on SIGINT / SIGTERM, then raises the signal again for the handlers it found; these make that a
     # clean exit.
     for handled in (signal.SIGINT, signal.SIGTERM):

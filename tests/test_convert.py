@@ -26,7 +26,7 @@ from qwen3vl_static.presets import tiny_inputs
 
 # Package files that stay home; every other module is needed by the custom code on the Hub.
 HOME_ONLY = {"__init__.py", "__main__.py", "auto_classes.py", "checkpoints.py", "cli.py", "convert.py", "dataset_runner.py",
-             "engine_process.py", "fp8_quantize.py", "media.py", "pixels.py", "presets.py", "server.py",
+             "engine_process.py", "fp8_quantize.py", "gc_pauses.py", "media.py", "pixels.py", "presets.py", "server.py",
              "workloads.py"}
 PACKAGE = Path(qwen3vl_static.__file__).parent
 HUB_MODULES = {

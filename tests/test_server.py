@@ -360,6 +360,11 @@ def test_models_and_health(server, client):
     # --api-server-count 2, each rendering in its share of the cores (what bench --server reports)
     server.wait_for_log(r"(?s)Application startup complete.*Application startup complete")
     assert served_processes(server.log_text()) == (2, render_threads(2))
+    # Every process's start-up heap is left out of the garbage collector's passes before it serves.
+    frozen = re.findall(r"(engine process|HTTP process \[\d+\]): (\d+) objects of its start-up heap frozen",
+                        server.log_text())
+    assert sorted(process.split(" [")[0] for process, _ in frozen) == ["HTTP process", "HTTP process", "engine process"]
+    assert all(int(count) > 10_000 for _, count in frozen)
 
 
 def test_local_files_need_an_allowed_folder(tmp_path):
@@ -422,6 +427,7 @@ def test_the_benchmark_clients_stream_what_generate_answers(server, reference):
     shares = [counters[name] for name in ("host_wait_share", "admit_host_share", "take_in_share",
                                           "media_ahead_host_share")]  # parts of the batch thread's time
     assert all(share >= 0 for share in shares) and 0 < sum(shares) < 1
+    assert 0 <= counters["engine_gc_share"] < 1 and counters["engine_gc_full_collections"] >= 0
     # Each request's log lines split its time to first token (the benchmark's): each part within the whole, and the
     # server's share within what the client saw.
     log = server.log_text()[seen:]
