@@ -30,7 +30,8 @@ A background thread owns the batch. Each turn of its loop
    the chunk just queued (which the GPU runs while the host issues them) and the ones after it: a request entering
    does not hold up the rows decoding;
 5. takes new requests in while the GPU runs that chunk (`_prepare`, on the host: inputs checked, settings resolved,
-   M-RoPE positions computed; a bad request fails alone here, before anything is written), as many as keep two
+   M-RoPE positions computed unless the request brings them; a bad request fails alone here, before anything is
+   written), as many as keep two
    prefill budgets waiting, and cancellations (an idle batch takes them in first, waiting for them);
 6. runs the vision tower over the images of the requests next in line, on the side stream beside that chunk;
 7. reads the chunk queued one turn before (so the GPU always has the next chunk while the host reads one), ends each
@@ -354,7 +355,8 @@ class GraphBatchingManager:
                     streaming: bool = False, record_timestamps: bool = False, **kwargs) -> str:
         """Queue one request: `input_ids` (a list of ids, or a `(n,)` / `(1, n)` tensor, best on the CPU); `kwargs`
         are its own generation settings (`REQUEST_SETTINGS`) and its model inputs (the processor's `pixel_values`,
-        `image_grid_thw`, ... for this one prompt). `streaming`: its tokens are delivered as they are drawn (through
+        `image_grid_thw`, ... for this one prompt; optionally its M-RoPE `position_ids` from `prompt_position_ids`,
+        computed off the batch's thread). `streaming`: its tokens are delivered as they are drawn (through
         `request_id_iter` or a registered handler), each output holding every token so far. `record_timestamps`: its
         output's `timestamps` hold, per generated token, the `time.perf_counter()` at which the host read it (its
         `created_time` is when it was added). Returns its request id."""
@@ -747,11 +749,13 @@ class GraphBatchingManager:
             raise ValueError(f"input_ids must be one prompt's token ids (a list, or a (n,) or (1, n) tensor of "
                              f"integers), got {'an empty prompt' if not ids.numel() else tuple(ids.shape)}")
         ids = ids.long().view(1, -1)
-        unknown = set(inputs) - set(PADDED_INPUTS) - set(JOINED_INPUTS)
+        unknown = set(inputs) - set(PADDED_INPUTS) - set(JOINED_INPUTS) - {"position_ids"}
         if unknown:
             raise ValueError(f"Unknown request keywords {sorted(unknown)}: a request takes generation settings "
-                             f"{list(REQUEST_SETTINGS)} and the processor's outputs {[*PADDED_INPUTS, *JOINED_INPUTS]}.")
+                             f"{list(REQUEST_SETTINGS)}, the processor's outputs {[*PADDED_INPUTS, *JOINED_INPUTS]} "
+                             f"and its prompt's position_ids (`prompt_position_ids`).")
         prompt = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+        positions = prompt.pop("position_ids", None)
         mask = prompt.get("attention_mask")
         if mask is not None and (tuple(mask.shape) != tuple(ids.shape) or not bool(mask.bool().all())):
             raise ValueError("A request is one prompt without padding: its attention_mask must be all ones and of its "
@@ -761,12 +765,8 @@ class GraphBatchingManager:
         prompt = {**prompt, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
         sequence = Sequence(output, prompt, None, 0, streaming=streaming)
         self._resolve_settings(sequence, settings, engine)
-        with torch.no_grad():
-            position_ids = generate_position_ids(self.model, ids, prompt)
-            if position_ids is not None:
-                prompt["position_ids"] = position_ids
-            sequence.positions = prompt_positions(self.model, ids, prompt)
-        prompt.pop("position_ids", None)
+        sequence.positions = (prompt_position_ids(self.model, ids, prompt) if positions is None
+                              else _given_positions(positions, ids.shape[1])).unsqueeze(1)
         sequence.length = ids.shape[1]
         return sequence
 
@@ -1118,6 +1118,30 @@ class GraphBatchingManager:
         tail = self.tokenizer.decode(sequence.output.generated_tokens[-longest - 1:], skip_special_tokens=True,
                                      clean_up_tokenization_spaces=False)
         return any(stop in tail for stop in sequence.stop_strings)
+
+
+def prompt_position_ids(model, input_ids: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """The M-RoPE positions `(3, n)` of one prompt, `input_ids` `(1, n)` with its other model inputs `inputs` (on the
+    host), as `generate` and the stock forward compute them. A request may bring them as `position_ids`, computed
+    off the batch's thread: the batch's thread then skips their computation when it takes the request in, half of
+    what it spends on a 448x448 image request there (`bench/probes/take_in_probe.py`); `serve`'s HTTP processes do
+    so on a copy of the model on the meta device."""
+    prompt = {**inputs, "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    with torch.no_grad():
+        position_ids = generate_position_ids(model, input_ids, prompt)
+        if position_ids is not None:
+            prompt["position_ids"] = position_ids
+        return prompt_positions(model, input_ids, prompt)[:, 0]
+
+
+def _given_positions(positions, length: int) -> torch.Tensor:
+    """A request's own `position_ids`, checked: integer M-RoPE positions `(3, n)` of its `length` prompt tokens (they
+    only turn its own queries and keys, so wrong values cannot reach another request or past a buffer)."""
+    positions = torch.as_tensor(positions)
+    if positions.dtype.is_floating_point or positions.dtype == torch.bool or tuple(positions.shape) != (3, length):
+        raise ValueError(f"position_ids must be the prompt's M-RoPE positions, integers of shape (3, {length}) "
+                         f"(`prompt_position_ids`), got {positions.dtype} {tuple(positions.shape)}")
+    return positions.long()
 
 
 def _snapshot(output: GenerationOutput) -> GenerationOutput:

@@ -52,6 +52,7 @@ class EngineInfo:
     max_requests: int  # running and waiting choices at once (rows + max_waiting); past it: 503
     eos_ids: frozenset
     uint8_pixels: bool  # image patches cross unnormalized, as uint8, normalized on the device (`PixelNormalizer`)
+    config: object = None  # the model's config: the HTTP processes compute prompts' M-RoPE positions with it
 
 
 class EngineProcess:
@@ -115,7 +116,7 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
         info = EngineInfo(row_slots=engine.cache.capacity, reserved=manager.past_end(engine),
                           max_requests=engine.cache.rows + max_waiting,
                           eos_ids=frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos),
-                          uint8_pixels=normalizer is not None)
+                          uint8_pixels=normalizer is not None, config=model.config)
     except Exception as error:  # noqa: BLE001 - reported to the first process, which raises it
         control.send(("failed", f"{type(error).__name__}: {error}"))
         return
@@ -137,20 +138,24 @@ class _Engine:
         self.pending = {}  # HTTP process index -> outputs not sent yet
         self.error_sent = False
         self.cpu_start = time.process_time()
-        self.gc = GcPauses("engine process")
+        self.gc = None  # the garbage collector's pauses while it runs
         self.loop = None
         self.stopping = None
 
     async def run(self, control) -> None:
         self.loop, self.stopping = asyncio.get_running_loop(), asyncio.Event()
-        self.manager.start()
-        threading.Thread(target=self._read, args=(control,), name="qwen3vl-static-engine-requests",
-                         daemon=True).start()
-        await self.stopping.wait()
-        await self.loop.run_in_executor(None, self.manager.stop)  # what was added finishes
-        await asyncio.sleep(0)  # the last chunk's delivery, then its send
-        await asyncio.sleep(0)
-        self._flush()
+        self.gc = GcPauses("engine process")
+        try:
+            self.manager.start()
+            threading.Thread(target=self._read, args=(control,), name="qwen3vl-static-engine-requests",
+                             daemon=True).start()
+            await self.stopping.wait()
+            await self.loop.run_in_executor(None, self.manager.stop)  # what was added finishes
+            await asyncio.sleep(0)  # the last chunk's delivery, then its send
+            await asyncio.sleep(0)
+            self._flush()
+        finally:
+            self.gc.close()
 
     # -- requests in (the reader thread) ------------------------------------------------------------------------
 

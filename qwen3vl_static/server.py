@@ -8,8 +8,8 @@ manager, so requests join the running batch as they arrive.
 
 Processes (as vLLM's API servers and engine core): `serve` starts the engine process (`engine_process.py`: the model
 and its batch, nothing else) and several HTTP processes that share the listening socket; each parses, fetches and
-decodes images, runs the processor and streams its own clients' tokens, so none of that takes the interpreter lock
-the batch's thread needs. What can be checked before a request enters the batch is (the body, the model name, images,
+decodes images, runs the processor, computes the prompt's M-RoPE positions and streams its own clients' tokens, so
+none of that takes the interpreter lock the batch's thread needs. What can be checked before a request enters the batch is (the body, the model name, images,
 the prompt's and the answer's length against a cache row, the queue), and answered with an OpenAI-style error,
 `{"error": {"message", "type", "param", "code"}}`, whose message says what to change. A client that disconnects
 cancels its choices, freeing their rows; on SIGINT / SIGTERM the HTTP processes stop accepting connections and let the
@@ -36,6 +36,7 @@ from functools import partial
 from typing import Annotated, Literal
 
 import httpx
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
@@ -43,6 +44,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from transformers.generation.continuous_batching.requests import RequestStatus
 
+from .batching_qwen3vl_graph import prompt_position_ids
 from .engine_process import EngineClient, EngineProcess
 from .gc_pauses import GcPauses, freeze_startup_heap
 from .media import MediaError, MediaLimits, decode_image, fetch_image_data
@@ -358,6 +360,7 @@ class OpenAIServer:
         self.max_requests, self.eos_ids = engine.info.max_requests, engine.info.eos_ids
         if engine.info.uint8_pixels:
             PixelNormalizer.raw(processor.image_processor)
+        self.positions_model = meta_model(engine.info.config) if engine.info.config is not None else None
         self.created = int(time.time())
         self.http = None  # the client that fetches image URLs, open while the app runs
 
@@ -477,15 +480,31 @@ class OpenAIServer:
             raise APIError(400, f"Image {number}: {error}", param="messages") from None
 
     async def _render(self, messages) -> dict:
-        """The model inputs of a chat whose images are still encoded (`render_chat`), in a render thread."""
+        """The model inputs of a chat whose images are still encoded (`render_chat`) with their M-RoPE positions
+        (`_with_positions`), in a render thread."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.renderers, render_chat, self.processor,
-                                                                    self.media, messages)
+            return await asyncio.get_running_loop().run_in_executor(self.renderers, self._rendered, messages)
         except MediaError as error:
             raise APIError(400, str(error), param="messages") from None
         except Exception as error:  # noqa: BLE001 - what the model's chat template or processor refuses
             raise APIError(400, f"The model's chat template could not render these messages "
                                 f"({type(error).__name__}: {error})", param="messages") from None
+
+    def _rendered(self, messages) -> dict:
+        return self._with_positions(render_chat(self.processor, self.media, messages))
+
+    def _with_positions(self, inputs: dict) -> dict:
+        """`inputs` with the prompt's M-RoPE `position_ids`, computed here rather than on the engine's batch thread
+        (`prompt_position_ids` on the model's meta-device copy). Inputs they cannot be computed for go without: the
+        batch's checks then fail the request with their own message."""
+        if self.positions_model is None:
+            return inputs
+        rest = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
+        try:
+            positions = prompt_position_ids(self.positions_model, inputs["input_ids"], rest)
+        except Exception:  # noqa: BLE001 - what the batch refuses, with the reason, when it takes the request in
+            return inputs
+        return {**inputs, "position_ids": positions}
 
     def _stopped(self) -> APIError:
         return APIError(503, f"The model's batch has stopped on an error: {self.engine.error}; restart the server")
@@ -598,6 +617,15 @@ class OpenAIServer:
         if self.engine.error is not None:
             return APIError(500, f"The model's batch stopped on an error: {self.engine.error}; restart the server")
         return APIError(400, job.error())
+
+
+def meta_model(config):
+    """The model for `config` on the meta device: no weights and no memory, what an HTTP process computes prompts'
+    M-RoPE positions with."""
+    from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
+
+    with torch.device("meta"):
+        return Qwen3VLGraphForConditionalGeneration(config).eval()
 
 
 def render_chat(processor, media: MediaLimits, messages: list) -> dict:

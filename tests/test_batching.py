@@ -21,6 +21,7 @@ from qwen3vl_static.batching_qwen3vl_graph import (
     StreamingSteps,
     kv_bytes_per_slot,
     media_bytes_per_token,
+    prompt_position_ids,
     slots_from_memory,
 )
 from qwen3vl_static.pixels import PixelNormalizer
@@ -186,6 +187,32 @@ def test_a_bad_request_fails_alone():
     assert "1000" in errors[1] and "a row holds 160" in errors[1]  # the request's length and the limit
     assert "at least 1 token" in errors[3] and "row" not in errors[3]  # not a cache message: -3 fits any row
     assert [outputs[-2].generated_tokens, outputs[-1].generated_tokens] == expected[1:]
+
+
+def test_positions_brought_by_a_request_are_used_as_the_batch_would_compute_them():
+    """A request may bring its prompt's M-RoPE positions (`prompt_position_ids`, computed off the batch's thread, as
+    `serve`'s HTTP processes do on a meta-device copy of the model): the same positions, so the same tokens, as the
+    batch computes; positions of the wrong shape or kind fail that request alone, naming what they must be."""
+    ours, stock = new_pair()
+    requests, expected = requests_and_expected(stock, 3)
+    with torch.device("meta"):
+        skeleton = type(ours)(ours.config).eval()
+    ahead = []
+    for request in requests:
+        inputs = {key: value for key, value in request.items() if key not in ("input_ids", "attention_mask",
+                                                                             "max_new_tokens")}
+        positions = prompt_position_ids(skeleton, request["input_ids"], inputs)
+        assert torch.equal(positions, prompt_position_ids(ours, request["input_ids"], inputs))
+        assert positions.shape == (3, request["input_ids"].shape[1])
+        ahead.append({**request, "position_ids": positions})
+    assert not torch.equal(ahead[0]["position_ids"][0], ahead[0]["position_ids"][1])  # an image's rows and columns
+    length = requests[1]["input_ids"].shape[1]
+    bad = [{**requests[1], "position_ids": torch.zeros(3, length - 1, dtype=torch.long)},
+           {**requests[1], "position_ids": torch.zeros(3, length)}]
+    outputs = list(ours.generate_batch([*bad, *ahead], progress_bar=False).values())
+    assert [output.status for output in outputs] == [RequestStatus.FAILED] * 2 + [RequestStatus.FINISHED] * 3
+    assert f"integers of shape (3, {length})" in outputs[0].error and "torch.float32" in outputs[1].error
+    assert [output.generated_tokens for output in outputs[2:]] == expected
 
 
 def test_every_setting_per_request():

@@ -24,13 +24,14 @@ import torch
 from conftest import image, save_stock_checkpoint
 from openai import BadRequestError, OpenAI
 
+from qwen3vl_static.batching_qwen3vl_graph import prompt_position_ids
 from qwen3vl_static.bench_server import (batch_counters, chat_body, metrics, run_clients, served_processes, server_split,
                                          summarize)
 from qwen3vl_static.convert import convert
 from qwen3vl_static.dataset_runner import load_processor
 from qwen3vl_static.media import MediaError, MediaLimits, fetch_image
 from qwen3vl_static.modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
-from qwen3vl_static.server import RENDER_NICENESS, render_pool, render_threads
+from qwen3vl_static.server import RENDER_NICENESS, OpenAIServer, meta_model, render_chat, render_pool, render_threads
 
 KEY = "test-key"
 NAME = "tiny"
@@ -365,6 +366,22 @@ def test_models_and_health(server, client):
                         server.log_text())
     assert sorted(process.split(" [")[0] for process, _ in frozen) == ["HTTP process", "HTTP process", "engine process"]
     assert all(int(count) > 10_000 for _, count in frozen)
+
+
+def test_http_processes_send_the_positions_the_batch_would_compute(reference):
+    """An HTTP process sends each chat's M-RoPE positions along (`position_ids`), computed on its meta-device copy of
+    the model, so that the engine's batch thread need not: the positions the batch computes from the same inputs."""
+    model, processor = reference
+    front = object.__new__(OpenAIServer)  # what `_with_positions` reads
+    front.positions_model = meta_model(model.config)
+    assert next(front.positions_model.parameters()).device.type == "meta"
+    chat = [{"role": "user", "content": [{"type": "image", "image": png(image(64, 32))},
+                                         {"type": "text", "text": "What is it?"}]}]
+    inputs = render_chat(processor, MediaLimits(), chat)
+    sent = front._with_positions(inputs)
+    rest = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
+    assert torch.equal(sent["position_ids"], prompt_position_ids(model, inputs["input_ids"], rest))
+    assert sent["position_ids"].shape == (3, inputs["input_ids"].shape[1])
 
 
 def test_local_files_need_an_allowed_folder(tmp_path):
