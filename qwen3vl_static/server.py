@@ -360,7 +360,7 @@ class OpenAIServer:
         self.max_requests, self.eos_ids = engine.info.max_requests, engine.info.eos_ids
         if engine.info.uint8_pixels:
             PixelNormalizer.raw(processor.image_processor)
-        self.positions_model = meta_model(engine.info.config) if engine.info.config is not None else None
+        self.positions_model = meta_model(engine.info.config)
         self.created = int(time.time())
         self.http = None  # the client that fetches image URLs, open while the app runs
 
@@ -621,11 +621,18 @@ class OpenAIServer:
 
 def meta_model(config):
     """The model for `config` on the meta device: no weights and no memory, what an HTTP process computes prompts'
-    M-RoPE positions with."""
+    M-RoPE positions with; None (the engine computes them) where there is no config or it cannot be built."""
     from .modeling_qwen3vl_graph import Qwen3VLGraphForConditionalGeneration
 
-    with torch.device("meta"):
-        return Qwen3VLGraphForConditionalGeneration(config).eval()
+    if config is None:
+        return None
+    try:
+        with torch.device("meta"):
+            return Qwen3VLGraphForConditionalGeneration(config).eval()
+    except Exception as error:  # noqa: BLE001 - the engine's batch computes the positions then, as it can
+        logger.warning("the engine computes the prompts' M-RoPE positions: no copy of the model on the meta device "
+                       "(%s: %s)", type(error).__name__, error)
+        return None
 
 
 def render_chat(processor, media: MediaLimits, messages: list) -> dict:

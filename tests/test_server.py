@@ -368,7 +368,7 @@ def test_models_and_health(server, client):
     assert all(int(count) > 10_000 for _, count in frozen)
 
 
-def test_http_processes_send_the_positions_the_batch_would_compute(reference):
+def test_http_processes_send_the_positions_the_batch_would_compute(reference, caplog):
     """An HTTP process sends each chat's M-RoPE positions along (`position_ids`), computed on its meta-device copy of
     the model, so that the engine's batch thread need not: the positions the batch computes from the same inputs."""
     model, processor = reference
@@ -382,6 +382,13 @@ def test_http_processes_send_the_positions_the_batch_would_compute(reference):
     rest = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
     assert torch.equal(sent["position_ids"], prompt_position_ids(model, inputs["input_ids"], rest))
     assert sent["position_ids"].shape == (3, inputs["input_ids"].shape[1])
+    # Without a copy of the model (no config, or one it cannot be built from), requests go without them: the engine
+    # computes them.
+    with caplog.at_level("WARNING", logger="qwen3vl_static.server"):
+        assert meta_model(None) is None and meta_model(object()) is None
+    assert "the engine computes the prompts' M-RoPE positions" in caplog.text
+    front.positions_model = None
+    assert "position_ids" not in front._with_positions(inputs)
 
 
 def test_local_files_need_an_allowed_folder(tmp_path):
