@@ -175,8 +175,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
             try:
                 # Before anything is written (a bad token id would fail inside a CUDA kernel). Its host read waits
                 # for the default stream only, not for the tower.
-                _check_generate_inputs(self.config, kwargs.get("input_ids", args[0] if args else None), kwargs,
-                                       self.device)
+                _check_generate_inputs(self, kwargs.get("input_ids", args[0] if args else None), kwargs)
                 if engine is None:  # transformers' modules and loop
                     return super().generate(*args, **kwargs)
                 with self.model.rope_index_kept():
@@ -402,7 +401,7 @@ class Qwen3VLGraphForConditionalGeneration(Qwen3VLForConditionalGeneration, Gene
 
     def _check_inputs(self, input_ids, model_kwargs) -> None:
         """`generate`'s checks of a prompt's inputs (`_check_generate_inputs`), for continuous batching's requests."""
-        _check_generate_inputs(self.config, input_ids, model_kwargs, self.device)
+        _check_generate_inputs(self, input_ids, model_kwargs)
 
     def _static_loop_blocker(self, generation_config, model_kwargs, generation_mode) -> str | None:
         """Why this call must run transformers' own loop, or None when the static loop covers it."""
@@ -619,18 +618,21 @@ def _ours_around(stock, cls, config):
     return ours
 
 
-def _check_generate_inputs(config, input_ids, kwargs, device) -> None:
+def _check_generate_inputs(model, input_ids, kwargs) -> None:
     """Raise a `ValueError` that names the problem for inputs that would fail deep inside `generate` or, worse, inside
     a kernel: tensors on the meta device (no data to read), token ids outside the vocabulary, an attention mask of
     another shape, pixels without their grid, image (video) placeholders in the prompt's uncached tokens that do not
     match the pixels' merged patches, and placeholders without pixels after the cache passed back lost what it held.
-    `device`: the model's, for the messages. An assistant's call (assisted decoding) gets the main call's pixels with
-    a cache that holds their placeholders; transformers drops them there, so they are not checked against the prompt."""
+    `model`: whose config the inputs are for (its device, named in a message, is looked up only then: it walks the
+    parameters, ~25 us, which continuous batching would pay per request). An assistant's call (assisted decoding) gets
+    the main call's pixels with a cache that holds their placeholders; transformers drops them there, so they are not
+    checked against the prompt."""
+    config = model.config
     for name, value in {"input_ids": input_ids, **kwargs}.items():
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
             raise ValueError(
                 f"{name} is on the meta device: a shape without data, which generate cannot read. Pass real tensors, "
-                f"on the model's device ({device}) or the CPU."
+                f"on the model's device ({model.device}) or the CPU."
             )
     if not isinstance(input_ids, torch.Tensor) or not input_ids.numel():
         return  # inputs_embeds, or transformers' own error for what it cannot read
