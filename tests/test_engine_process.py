@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-from qwen3vl_static.engine_process import EngineClient, EngineInfo, _Engine
+from qwen3vl_static.engine_process import EngineClient, EngineInfo, MessageReader, _Engine
 from qwen3vl_static.pixels import PixelNormalizer
 
 NORMALIZER = PixelNormalizer(rescale_factor=1 / 255, mean=(0.5,) * 3, std=(0.5,) * 3, channels_fused=True)
@@ -193,3 +193,28 @@ def test_an_engine_gone_fails_what_waits_and_refuses_what_comes():
     assert received[-1].status == RequestStatus.FAILED and "the engine process exited" in received[-1].error
     assert refusal[0] == 503 and "the engine process exited" in refusal[1]
     assert stats == {}
+
+
+@pytest.mark.parametrize("duplex", [True, False], ids=["socket", "os-pipe"])
+def test_the_engine_reads_each_message_whole_as_the_pipe_framed_it(duplex):
+    """`MessageReader` reads what `Connection.send_bytes` wrote, message by message, small ones and a request's
+    megabytes of patches (on a socket straight into one buffer; an end that is not a socket through `recv_bytes`),
+    and raises EOFError once the other end closed."""
+    reading, writing = multiprocessing.Pipe(duplex=duplex)
+    reader = MessageReader(reading)
+    assert (reader.socket is not None) == duplex
+    patches = np.random.default_rng(0).integers(0, 256, (784, 1536), dtype=np.uint8)
+    messages = [pickle.dumps(("submit", "job", ["r"], {"pixel_values": patches}, [{}]), protocol=5), b"", b"x",
+                pickle.dumps(("cancel", "r-1"))]
+    sender = threading.Thread(target=lambda: [writing.send_bytes(message) for message in messages] + [writing.close()])
+    sender.start()
+    try:
+        got = [bytes(reader.read()) for _ in messages]
+        with pytest.raises(EOFError):
+            reader.read()
+    finally:
+        sender.join()
+        reader.close()
+        reading.close()
+    assert got == messages
+    assert np.array_equal(pickle.loads(got[0])[3]["pixel_values"], patches)
