@@ -93,6 +93,15 @@ def server_main(argv=None) -> None:
           api_servers=args.api_server_count, max_prefill_tokens=args.max_prefill_tokens, warmup=args.warmup)
 
 
+def start_split(log: str) -> dict:
+    """Where the server's start went, as it logs it: the engine process's build (processor, model, batch; seconds)
+    and the engine ready after the start (the HTTP processes start then)."""
+    built = re.search(r"built in ([0-9.]+) s \(processor ([0-9.]+), model ([0-9.]+), batch ([0-9.]+)\)", log)
+    ready = re.search(r"ready ([0-9.]+) s after the start", log)
+    split = dict(zip(("engine_built_s", "processor_s", "model_s", "batch_s"), map(float, built.groups()))) if built else {}
+    return split | ({"engine_ready_s": float(ready[1])} if ready else {})
+
+
 def served_processes(log: str) -> tuple:
     """(HTTP processes, render threads in each) as `serve` logs them at start."""
     found = re.search(r"from (\d+) HTTP process\(es\) of (\d+) render threads each", log)
@@ -476,7 +485,8 @@ def server_rows(args) -> dict:
     text = log.read_text()
     http_processes, render_threads = served_processes(text)
     # Where a run's fixed time goes, beside the passes: the server's start and its drain at SIGTERM, the reference.
-    return {"rows": rows, "server_start_s": start_s, "server_stop_s": stop_s, "reference_s": reference_s,
+    return {"rows": rows, "server_start_s": start_s, "server_start_split": start_split(text), "server_stop_s": stop_s,
+            "reference_s": reference_s,
             "server_log_tail": text[-4000:],
             f"concurrency_{levels[0]}_answers_equal_generate": f"{agreeing.count(NEW_TOKENS)}/{len(agreeing)}",
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,

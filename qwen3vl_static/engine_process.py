@@ -104,13 +104,17 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     try:
+        began = time.perf_counter()
         processor = build_processor()
+        loaded = time.perf_counter()
         model = build_model()
+        built = time.perf_counter()
         budget = {} if max_prefill_tokens is None else {"max_prefill_tokens": max_prefill_tokens}  # None: the default
         normalizer = PixelNormalizer.for_processor(processor)
         manager = model.init_continuous_batching(max_batch_size=max_batch_size, **budget,
                                                  tokenizer=getattr(processor, "tokenizer", processor),
                                                  pixel_transform=normalizer)
+        batched = time.perf_counter()
         if warmup:
             logger.info("engine process: graphs of the batch captured ahead in %.1f s", manager.warmup())
         engine = model.graph_engine()
@@ -123,9 +127,10 @@ def _engine_main(build_model, build_processor, max_batch_size, max_waiting: int,
         control.send(("failed", f"{type(error).__name__}: {error}"))
         return
     logger.info("engine process [%d]: %d rows of %d slots, up to %d prompt tokens admitted per turn; "
-                "image patches cross as %s", os.getpid(), engine.cache.rows, engine.cache.capacity,
-                manager.max_prefill_tokens, "uint8, normalized on the device" if normalizer is not None else
-                "float32 (the processor's own)")
+                "image patches cross as %s; built in %.1f s (processor %.1f, model %.1f, batch %.1f)",
+                os.getpid(), engine.cache.rows, engine.cache.capacity, manager.max_prefill_tokens,
+                "uint8, normalized on the device" if normalizer is not None else "float32 (the processor's own)",
+                time.perf_counter() - began, loaded - began, built - loaded, batched - built)
     freeze_startup_heap("engine process")
     control.send(("ready", info))
     asyncio.run(_Engine(manager, normalizer, info.max_requests, connections).run(control))

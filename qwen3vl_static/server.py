@@ -719,6 +719,7 @@ def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     context = multiprocessing.get_context("spawn")  # nothing of this process (threads, CUDA) goes along
     limits = settings.get("limits", ServerLimits())
+    began = time.perf_counter()
     engine = EngineProcess(context, build_model, build_processor, max_batch_size, limits.max_waiting, api_servers,
                            max_prefill_tokens, warmup)
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -734,8 +735,8 @@ def serve(build_model, build_processor, model_name: str, host: str = "127.0.0.1"
     for connection in engine.connections:
         connection.close()
     listener.close()
-    logger.info("serving %s from %d HTTP process(es) of %d render threads each and the engine process", model_name,
-                api_servers, renderers)
+    logger.info("serving %s from %d HTTP process(es) of %d render threads each and the engine process (ready %.1f s "
+                "after the start)", model_name, api_servers, renderers, time.perf_counter() - began)
     # uvicorn's own line (it prints none for a socket it is handed): the socket takes connections from now on
     logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port)
 

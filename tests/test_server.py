@@ -26,7 +26,7 @@ from openai import BadRequestError, OpenAI
 
 from qwen3vl_static.batching_qwen3vl_graph import prompt_position_ids
 from qwen3vl_static.bench_server import (batch_counters, chat_body, metrics, run_clients, served_processes, server_split,
-                                         summarize)
+                                         start_split, summarize)
 from qwen3vl_static.convert import convert
 from qwen3vl_static.dataset_runner import load_processor
 from qwen3vl_static.media import MediaError, MediaLimits, fetch_image
@@ -361,6 +361,11 @@ def test_models_and_health(server, client):
     # --api-server-count 2, each rendering in its share of the cores (what bench --server reports)
     server.wait_for_log(r"(?s)Application startup complete.*Application startup complete")
     assert served_processes(server.log_text()) == (2, render_threads(2))
+    # Where the start went: the engine's build in parts, then the engine ready (the HTTP processes start after it).
+    start = start_split(server.log_text())
+    assert start.keys() == {"engine_built_s", "processor_s", "model_s", "batch_s", "engine_ready_s"}
+    assert 0 <= start["processor_s"] + start["model_s"] + start["batch_s"] <= start["engine_built_s"] + 0.2  # rounding
+    assert start["engine_built_s"] <= start["engine_ready_s"]
     # Every process's start-up heap is left out of the garbage collector's passes before it serves.
     frozen = re.findall(r"(engine process|HTTP process \[\d+\]): (\d+) objects of its start-up heap frozen",
                         server.log_text())
