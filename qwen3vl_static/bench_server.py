@@ -98,7 +98,8 @@ def start_split(log: str) -> dict:
     and the engine ready after the start (the HTTP processes start then)."""
     built = re.search(r"built in ([0-9.]+) s \(processor ([0-9.]+), model ([0-9.]+), batch ([0-9.]+)\)", log)
     ready = re.search(r"ready ([0-9.]+) s after the start", log)
-    split = dict(zip(("engine_built_s", "processor_s", "model_s", "batch_s"), map(float, built.groups()))) if built else {}
+    names = ("engine_built_s", "processor_s", "model_s", "batch_s")
+    split = dict(zip(names, map(float, built.groups()))) if built else {}
     return split | ({"engine_ready_s": float(ready[1])} if ready else {})
 
 

@@ -21,7 +21,8 @@ LONG_PAUSE_MS = 10  # a pause this long or longer is logged: a decode step or mo
 
 def freeze_startup_heap(process: str) -> None:
     """Everything alive in this process now, after one full collection, left out of the collector's later passes.
-    Call it once the process is built and before it serves: the objects it freezes are never freed."""
+    Call it once the process is built and before it serves: a cycle among the objects it freezes is never collected
+    (reference counting still frees the others)."""
     began = time.perf_counter()
     gc.collect()
     gc.freeze()

@@ -9,11 +9,11 @@ manager, so requests join the running batch as they arrive.
 Processes (as vLLM's API servers and engine core): `serve` starts the engine process (`engine_process.py`: the model
 and its batch, nothing else) and several HTTP processes that share the listening socket; each parses, fetches and
 decodes images, runs the processor, computes the prompt's M-RoPE positions and streams its own clients' tokens, so
-none of that takes the interpreter lock the batch's thread needs. What can be checked before a request enters the batch is (the body, the model name, images,
-the prompt's and the answer's length against a cache row, the queue), and answered with an OpenAI-style error,
-`{"error": {"message", "type", "param", "code"}}`, whose message says what to change. A client that disconnects
-cancels its choices, freeing their rows; on SIGINT / SIGTERM the HTTP processes stop accepting connections and let the
-requests in flight finish, then the batch stops.
+none of that takes the interpreter lock the batch's thread needs. What can be checked before a request enters the
+batch is (the body, the model name, images, the prompt's and the answer's length against a cache row, the queue), and
+answered with an OpenAI-style error, `{"error": {"message", "type", "param", "code"}}`, whose message says what to
+change. A client that disconnects cancels its choices, freeing their rows; on SIGINT / SIGTERM the HTTP processes stop
+accepting connections and let the requests in flight finish, then the batch stops.
 """
 
 import asyncio
