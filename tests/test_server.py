@@ -371,6 +371,8 @@ def test_models_and_health(server, client):
                         server.log_text())
     assert sorted(process.split(" [")[0] for process, _ in frozen) == ["HTTP process", "HTTP process", "engine process"]
     assert all(int(count) > 10_000 for _, count in frozen)
+    # Each HTTP process built its meta-device copy of the model: the prompts' M-RoPE positions come from there.
+    assert "the engine computes the prompts' M-RoPE positions" not in server.log_text()
 
 
 def test_http_processes_send_the_positions_the_batch_would_compute(reference, caplog):
