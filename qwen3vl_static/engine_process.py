@@ -141,7 +141,6 @@ class _Engine:
         self.manager, self.normalizer, self.max_requests = manager, normalizer, max_requests
         self.connections = connections
         self.owner = {}  # request id -> the index of the HTTP process that sent it
-        self.sent = {}  # request id -> how many of its tokens were sent
         self.pending = {}  # HTTP process index -> outputs not sent yet
         self.error_sent = False
         self.cpu_start = time.process_time()
@@ -238,8 +237,9 @@ class _Engine:
                 503, f"The server is full: {len(self.owner)} requests are running or waiting, at most "
                      f"{self.max_requests} (rows + --max-waiting); retry later")))
         for request_id, own in zip(request_ids, settings):
-            self.owner[request_id], self.sent[request_id] = front, 0
-            manager.register_result_handler(request_id, self._deliver)  # called on this loop, a chunk per wake-up
+            self.owner[request_id] = front
+            # Called on this loop, a chunk per wake-up, with the tokens new since the last call.
+            manager.register_result_handler(request_id, self._deliver, delta=True)
             manager.add_request(**inputs, request_id=request_id, streaming=True, **own)
         self._send(front, ("submitted", job_id, None))
 
@@ -250,15 +250,12 @@ class _Engine:
 
     def _deliver(self, output) -> None:
         request_id = output.request_id
-        front, sent = self.owner[request_id], self.sent[request_id]
+        front = self.owner[request_id]
         if output.status in ENDED:
-            del self.owner[request_id], self.sent[request_id]
-        else:
-            self.sent[request_id] = len(output.generated_tokens)
+            del self.owner[request_id]
         if not self.pending:
             self.loop.call_soon(self._flush)  # after the rest of the chunk's outputs, which this wake-up delivers
-        self.pending.setdefault(front, []).append(
-            (request_id, output.status, list(output.generated_tokens[sent:]), output.error))
+        self.pending.setdefault(front, []).append((request_id, output.status, output.generated_tokens, output.error))
 
     def _flush(self) -> None:
         if self.manager.error is not None and not self.error_sent:  # before the failures it explains

@@ -5,6 +5,7 @@ per request (a seeded sampled request draws the same tokens alone or among other
 strings; a bad request fails alone; cache rows sized from (fake) GPU memory; the model stays usable afterwards."""
 
 import math
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -393,6 +394,35 @@ def test_streaming_delivers_tokens_as_they_are_drawn_and_cancel_frees_the_row():
     finally:
         manager.stop()
     assert [output.generated_tokens for output in handled] == [expected]
+
+
+def test_a_delta_handler_gets_each_chunks_new_tokens():
+    """A handler registered with `delta=True` gets only the tokens new since its last output (a streamed answer's
+    copy would otherwise grow with it at every chunk): together they are the whole answer, `generate`'s, the last one
+    ending it; a handler without it gets every token so far, and a request that does not stream one result."""
+    ours, stock = new_pair(max_batch_size=3, steps_per_sync=2)
+    inputs = build(TEXT)
+    expected = stock.generate(**inputs, max_new_tokens=9, do_sample=False)[0, -9:].tolist()
+    manager = ours.init_continuous_batching()
+    deltas, whole, single = [], [], []
+    manager.register_result_handler("delta", deltas.append, delta=True)
+    manager.register_result_handler("whole", whole.append)
+    manager.register_result_handler("single", single.append, delta=True)
+    manager.start()
+    try:
+        for request_id, streaming in (("delta", True), ("whole", True), ("single", False)):
+            manager.add_request(**inputs, max_new_tokens=9, request_id=request_id, streaming=streaming)
+        deadline = time.monotonic() + 60
+        while len(single) < 1 or not deltas or deltas[-1].status != RequestStatus.FINISHED:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        manager.stop()
+    assert [token for output in deltas for token in output.generated_tokens] == expected
+    assert all(output.generated_tokens for output in deltas[:-1]) and len(deltas) > 2
+    assert [output.status for output in deltas[:-1]] == [RequestStatus.DECODING] * (len(deltas) - 1)
+    assert whole[-1].generated_tokens == expected and len(whole[0].generated_tokens) == 2
+    assert [output.generated_tokens for output in single] == [expected]
 
 
 def test_a_fatal_error_reaches_every_waiting_caller():

@@ -35,7 +35,8 @@ class StandInManager:
     def stop(self):
         self.stopped.set()
 
-    def register_result_handler(self, request_id, callback):
+    def register_result_handler(self, request_id, callback, delta=False):
+        assert delta  # the engine takes each output's new tokens only
         self.handlers[request_id] = (callback, asyncio.get_running_loop())
 
     def add_request(self, input_ids, request_id, streaming, **kwargs):
@@ -45,6 +46,7 @@ class StandInManager:
         self.cancelled.append(request_id)
 
     def emit(self, request_id, tokens, status=RequestStatus.DECODING):
+        """An output with the tokens new since the last (`delta` handlers')."""
         callback, loop = self.handlers[request_id]
         loop.call_soon_threadsafe(callback, GenerationOutput(request_id=request_id, generated_tokens=list(tokens),
                                                              status=status))
@@ -109,8 +111,8 @@ def test_outputs_reach_their_own_client_with_every_token_so_far(engine):
                                        [{}], [received[index].append]) is None
         manager.emit("job0-0", [4, 5])
         manager.emit("job1-0", [9])
-        manager.emit("job0-0", [4, 5, 6])
-        manager.emit("job0-0", [4, 5, 6, 2], RequestStatus.FINISHED)
+        manager.emit("job0-0", [6])
+        manager.emit("job0-0", [2], RequestStatus.FINISHED)
         await eventually(lambda: len(received[0]) == 3 and received[1])
         return received
 
