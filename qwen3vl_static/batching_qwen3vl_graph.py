@@ -319,7 +319,7 @@ class GraphBatchingManager:
                                     "prefills_beside", "admitted", "admission_wait_ms", "queued_ms", "first_token_ms",
                                     "encoded_ahead", "encoded_at_admission", "stall_ms", "long_stalls"), 0)
         self._spans = deque()  # (stat, CUDA event before, after) of GPU time not in `stats` yet (`_count_spans`)
-        self._last_chunk = None  # (its end event, its requests' ids) of the last decode chunk timed
+        self._last_chunk = None  # (its end event, its requests' sequences) of the last decode chunk timed
         self._side_work = SideWork(None)  # the batch's (`_loop`)
 
     # -- transformers' manager API --------------------------------------------------------------------------
@@ -1095,10 +1095,9 @@ class GraphBatchingManager:
         """The GPU time from the last decode chunk's end to `chunk`'s start, where requests of the one go on decoding
         in the other: their streams' next token waited that long on top of the steps (the host issuing admissions or
         taking requests in while the GPU had no step of theirs queued, or the rows' own wait for a prefill)."""
-        ids = {sequence.output.request_id for sequence in chunk.owners.values()}
-        if self._last_chunk is not None and self._last_chunk[1] & ids:
+        if self._last_chunk is not None and not self._last_chunk[1].isdisjoint(chunk.owners.values()):
             self._spans.append(("stall_ms", self._last_chunk[0], chunk.events[0]))
-        self._last_chunk = chunk.events[1], ids
+        self._last_chunk = chunk.events[1], set(chunk.owners.values())
 
     def _append(self, sequence: Sequence, tokens: list, scheduler, runner) -> None:
         """Record a request's new tokens up to its end; at its end, its result goes out and its row frees."""

@@ -714,14 +714,15 @@ def test_gaps_between_decode_chunks_count_as_stalls_only_while_their_requests_go
         def elapsed_time(self, end):
             return end.at - self.at
 
-    def request(request_id):
-        return SimpleNamespace(output=SimpleNamespace(request_id=request_id))
+    class Request:  # a request's sequence as the batch holds it: compared and hashed by identity
+        def __init__(self, request_id):
+            self.output = SimpleNamespace(request_id=request_id)
 
     manager = new_pair()[0].init_continuous_batching()
-    a, b, c = request("a"), request("b"), request("c")
+    a, b, c = Request("a"), Request("b"), Request("c")
     chunks = [((0, 3), {0: a, 1: b}), ((5, 8), {0: a}), ((20, 23), {0: a, 1: c}), ((40, 43), {0: c})]
     other = _Chunk(None, {}, 0, [], events=(Event(60), Event(63)))
-    other.owners = {0: request("d")}
+    other.owners = {0: Request("d")}
     for (start, end), owners in chunks:
         chunk = _Chunk(None, owners, 1, [], events=(Event(start), Event(end)))
         manager._time_stall(chunk)
