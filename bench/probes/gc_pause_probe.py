@@ -119,8 +119,12 @@ def serve_once(tree: Path, checkpoint: Path, site: Path, args) -> dict:
                       for index in range(args.requests)]
             gaps, window = asyncio.run(stream_all(url, bodies, args.clients))
         finally:
-            server.terminate()
-            server.wait(timeout=120)
+            server.terminate()  # SIGTERM: the server drains and exits
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
         text = output.read_text()
         roles = {re.search(r"engine process \[(\d+)\]", text)[1]: "engine",
                  re.search(r"Started server process \[(\d+)\]", text)[1]: "http"}

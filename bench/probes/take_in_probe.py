@@ -16,14 +16,13 @@ import time
 import torch
 
 import harness
-from qwen3vl_static import Qwen3VLGraphForConditionalGeneration
 from qwen3vl_static.batching_qwen3vl_graph import prompt_position_ids
 from qwen3vl_static.bench_server import bench_processor
 from qwen3vl_static.media import MediaLimits
 from qwen3vl_static.pixels import PixelNormalizer, as_uint8
 from qwen3vl_static.presets import real_config
 from qwen3vl_static.scheduler_qwen3vl_graph import Scheduler
-from qwen3vl_static.server import render_chat
+from qwen3vl_static.server import meta_model, render_chat
 
 
 def main() -> None:
@@ -32,9 +31,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the batch's thread, alone
-    with torch.device("meta"):
-        model = Qwen3VLGraphForConditionalGeneration(
-            real_config("2b", max_batch_size=args.requests, static_cache_len=512)).eval()
+    model = meta_model(real_config("2b", max_batch_size=args.requests, static_cache_len=512))
     processor, media = bench_processor("2b"), MediaLimits()
     PixelNormalizer.raw(processor.image_processor)  # as the HTTP processes run it for an engine taking uint8
     inputs = render_chat(processor, media, harness.bench_chat(media))
