@@ -365,6 +365,16 @@ def process_cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + sum(map(process_cpu_s, children))
 
 
+def stop_server(process: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM to a server started with `Popen`, which drains and exits; killed if it has not within `timeout` s."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def wait_until_up(base: str, process, log: Path) -> None:
     import httpx
 
@@ -467,12 +477,7 @@ def server_rows(args) -> dict:
                     first_level_answers = answers
     finally:
         stopping = time.perf_counter()
-        process.terminate()  # SIGTERM: the server drains and exits
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process)
         stop_s = time.perf_counter() - stopping
     checked = list(range(min(counts[levels[0]], MIN_REQUESTS)))  # the first level's first answers
     began = time.perf_counter()

@@ -20,7 +20,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 import harness
+from qwen3vl_static.bench_server import free_port, stop_server, wait_until_up
 
 # Imported first by every process started with this folder on its path: each collector pass, one line per pass.
 SITECUSTOMIZE = '''
@@ -89,10 +89,8 @@ def passes_in(log: Path, window: tuple) -> dict:
 
 
 def serve_once(tree: Path, checkpoint: Path, site: Path, args) -> dict:
-    with tempfile.TemporaryDirectory() as logs, socket.socket() as probe_port:
-        probe_port.bind(("127.0.0.1", 0))
-        port = probe_port.getsockname()[1]
-        probe_port.close()
+    with tempfile.TemporaryDirectory() as logs:
+        port = free_port()
         env = {**os.environ, "GC_PAUSE_LOG_DIR": logs, "PYTHONPATH": f"{site}{os.pathsep}{tree}"}
         output = Path(logs) / "server.out"
         with output.open("w") as sink:
@@ -101,16 +99,7 @@ def serve_once(tree: Path, checkpoint: Path, site: Path, args) -> dict:
                                       stdout=sink, stderr=subprocess.STDOUT, cwd=tree)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start:\n{output.read_text()[-3000:]}")
-                time.sleep(0.5)
+            wait_until_up(url, server, output)
             generator = np.random.default_rng(0)
             bodies = [{"model": str(checkpoint), "stream": True, "max_tokens": args.tokens, "temperature": 0,
                        "messages": [{"role": "user", "content": [
@@ -119,12 +108,7 @@ def serve_once(tree: Path, checkpoint: Path, site: Path, args) -> dict:
                       for index in range(args.requests)]
             gaps, window = asyncio.run(stream_all(url, bodies, args.clients))
         finally:
-            server.terminate()  # SIGTERM: the server drains and exits
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop_server(server, timeout=120)
         text = output.read_text()
         roles = {re.search(r"engine process \[(\d+)\]", text)[1]: "engine",
                  re.search(r"Started server process \[(\d+)\]", text)[1]: "http"}

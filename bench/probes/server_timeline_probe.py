@@ -38,7 +38,7 @@ import harness
 import numpy as np
 
 from qwen3vl_static.bench_server import (NAME, bench_model, bench_processor, chat_body,
-                                         free_port, image_url, run_clients, summarize, wait_until_up)
+                                         free_port, image_url, run_clients, stop_server, summarize, wait_until_up)
 
 GAP_BINS_MS = (0.05, 0.5, 2.0, 10.0)  # idle gaps shorter than each, and the rest
 DEVICE_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -270,12 +270,7 @@ def main() -> None:
         while not (folder / "done").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_server(process)
     trace = json.loads((folder / "engine.json").read_text())
     summary = summarize_trace(trace) if args.profile == "cuda" else trace
     print(json.dumps(summary, indent=1))
