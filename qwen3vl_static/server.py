@@ -96,6 +96,9 @@ METRICS = {
                  "GPU time between two decode chunks while requests went on decoding: no step of theirs queued"),
     "long_stalls": ("qwen3vl_static_decode_long_stalls_total", 1,
                     "gaps between decode chunks of 10 ms or more while requests went on decoding"),
+    "gathering_turns": ("qwen3vl_static_gathering_turns_total", 1,
+                        "turns of the batch that held waiting requests back, to enter together beside many decoding "
+                        "rows"),
     "engine_cpu_s": ("qwen3vl_static_engine_cpu_seconds_total", 1, "CPU time of the engine process"),
     "engine_gc_ms": ("qwen3vl_static_engine_gc_pause_seconds_total", 1e-3,
                      "time the engine process stood still in Python's garbage collector"),

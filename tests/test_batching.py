@@ -697,6 +697,32 @@ def test_a_chunks_decode_time_is_read_once_its_end_event_is_done():
     assert manager.stats["decode_ms"] == 2.5 and not manager._spans
 
 
+def test_streaming_requests_gather_to_enter_together_only_beside_many_decoding_rows():
+    """`gathers`: waiting streaming requests hold back while many rows decode, until they fill a share of a prefill
+    budget or the oldest has waited GATHER_S; a request that does not stream, too few decoding rows or an empty queue
+    hold nothing back."""
+    from qwen3vl_static.batching_qwen3vl_graph import (
+        GATHER_BUDGET_SHARE,
+        GATHER_MIN_DECODING_ROWS,
+        GATHER_S,
+        gathers,
+    )
+
+    budget, now = 8192, 100.0
+    small = int(GATHER_BUDGET_SHARE * budget) // 4
+
+    def waiting(*ages, streaming=True, tokens=small):
+        return [SimpleNamespace(streaming=streaming, prompt_len=tokens, taken_in=now - age) for age in ages]
+
+    many = GATHER_MIN_DECODING_ROWS
+    assert gathers(waiting(0.010, 0.001), many, budget, now)
+    assert not gathers(waiting(GATHER_S, 0.001), many, budget, now)  # the oldest waited long enough
+    assert not gathers(waiting(0.010, 0.001, 0.001, 0.0), many, budget, now)  # a quarter of the budget is here
+    assert not gathers(waiting(0.010), many - 1, budget, now)  # few decoding rows: the wait would be all TTFT
+    assert not gathers(waiting(0.010, streaming=False), many, budget, now)
+    assert not gathers([], many, budget, now)
+
+
 def test_gaps_between_decode_chunks_count_as_stalls_only_while_their_requests_go_on_decoding():
     """The GPU time from one chunk's end to the next one's start counts as a stall when a request of the first decodes
     in the second too (its stream's next token waited); a chunk of new requests only, after the others ended, starts
