@@ -14,7 +14,8 @@
 """Continuous batching on the graph engine: many requests share the static cache's rows, each with its own settings.
 
 A background thread owns the batch. Each turn of its loop
-1. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget) and parks
+1. asks the `Scheduler` which waiting requests enter free rows now (as many as fit a prefill token budget; streaming
+   ones that arrive beside many decoding rows first wait a moment for others to enter with them, `gathers`) and parks
    their rows (`DecodeRunner.park`: inert, stepping only past the prompt);
 2. lets rows begin decoding (sampling settings, penalties, first token) on the batch's stream, which waits for their
    prefill on the GPU: while requests stream, once the host finds the prefill done; otherwise once the decode steps
