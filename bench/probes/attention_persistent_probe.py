@@ -3,8 +3,9 @@
 The shipped splits kernel launches a program per (row, KV head, split): at 64 rows over 512 slots 2,048 programs of
 one or two 64-slot tiles, about three resident an SM (shared memory), so the launch runs in ~5 waves and each
 program's loads start only when it does. Here a fixed grid (`--programs-per-sm` an SM) walks the same work items, each
-program its share in turn, as one loop over (item, tile): the compiler's software pipelining then loads the next
-tile, of the same item or the next, while the current one is computed. Per tile the arithmetic and its order are the
+program its share in turn: as one loop over (item, tile), which the compiler's software pipelining can load ahead
+across items (every tile of an item computed, those past the token without effect), or item by item over its tiles
+up to the token. Per tile the arithmetic and its order are the
 shipped kernel's, and so are the splits and the merge, so the output is the shipped output bit for bit (checked).
 
 Timed alone as the tuner times a candidate (`KernelTuner().time_calls`), and in the whole decode step (decode
@@ -35,12 +36,45 @@ STEP_SHAPES = [(64, 256), (256, 256), (8, 512)]  # (batch, prompt tokens)
 
 
 @triton.jit
+def _tile(q, keys, values, attendable, scale, row, kv_head, split, tile, length, cache_row, best, total, acc,
+          stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable, CHUNK: tl.constexpr,
+          TILES: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
+          HEAD_DIM: tl.constexpr):
+    """One tile of a split as the shipped kernel computes it; a tile past the new token's slot loads nothing and
+    changes nothing (the shipped kernel skips it)."""
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + group
+    queries = tl.load(q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
+                      mask=group[:, None] < GROUP, other=0.0)
+    slots = (split * TILES + tile) * CHUNK + tl.arange(0, CHUNK)
+    written = slots <= length
+    cache = (cache_row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot
+             + dims[None, :])
+    readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
+    k = tl.load(keys + cache, mask=readable[:, None], other=0.0).to(queries.dtype)
+    v = tl.load(values + cache, mask=readable[:, None], other=0.0)
+    scores = tl.dot(queries, tl.trans(k)).to(tl.float32) * scale
+    scores = tl.where(readable[None, :], scores, float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, axis=1))
+    base = tl.where(new_best == float("-inf"), 0.0, new_best)
+    weights = tl.exp(scores - base[:, None])
+    correction = tl.exp(best - base)
+    any_written = (split * TILES + tile) * CHUNK <= length
+    total = tl.where(any_written, total * correction + tl.sum(weights, axis=1), total)
+    acc = tl.where(any_written, acc * correction[:, None] + tl.dot(weights, v.to(tl.float32)), acc)
+    return tl.where(any_written, new_best, best), total, acc
+
+
+@triton.jit
 def _persistent_kernel(
     q, keys, values, cache_lens, attendable, cache_rows, part_out, part_max, part_sum, scale,
     stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable, items,
     SPLITS, CHUNK: tl.constexpr, TILES: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr,
 ):
+    """FLAT: one loop over (item, tile), every tile of every item (those past the token computed but without effect),
+    which the compiler can pipeline across items; else a loop over items, each over its tiles up to the token."""
     _wait_then_release(PDL)
     program, programs = tl.program_id(0), tl.num_programs(0)
     group = tl.arange(0, GROUP_PAD)
@@ -49,41 +83,37 @@ def _persistent_kernel(
     best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     total = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-    mine = tl.cdiv(items - program, programs)  # items program, program + programs, ...
-    for step in range(0, mine * TILES):
-        item = program + (step // TILES) * programs
-        tile = step % TILES
-        split = item % SPLITS
-        kv_head = (item // SPLITS) % KV_HEADS
-        row = item // (SPLITS * KV_HEADS)
-        length = tl.load(cache_lens + row)
-        cache_row = tl.load(cache_rows + row).to(tl.int64)
-        heads = kv_head * GROUP + group
-        queries = tl.load(q + (row * KV_HEADS * GROUP + heads[:, None]) * HEAD_DIM + dims[None, :],
-                          mask=live[:, None], other=0.0)
-        if tile == 0:
+    if FLAT:
+        for step in range(0, tl.cdiv(items - program, programs) * TILES):  # items program, program + programs, ...
+            item = program + (step // TILES) * programs
+            tile = step % TILES
+            split, kv_head, row = item % SPLITS, (item // SPLITS) % KV_HEADS, item // (SPLITS * KV_HEADS)
+            if tile == 0:
+                best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+                total = tl.zeros((GROUP_PAD,), tl.float32)
+                acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+            best, total, acc = _tile(q, keys, values, attendable, scale, row, kv_head, split, tile,
+                                     tl.load(cache_lens + row), tl.load(cache_rows + row).to(tl.int64), best, total,
+                                     acc, stride_cache_row, stride_cache_head, stride_cache_slot, stride_attendable,
+                                     CHUNK, TILES, GROUP, GROUP_PAD, KV_HEADS, HEAD_DIM)
+            if tile == TILES - 1:
+                part = ((row * KV_HEADS + kv_head) * SPLITS + split) * GROUP + group
+                tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
+                tl.store(part_max + part, best, mask=live)
+                tl.store(part_sum + part, total, mask=live)
+    else:
+        for item in range(program, items, programs):
+            split, kv_head, row = item % SPLITS, (item // SPLITS) % KV_HEADS, item // (SPLITS * KV_HEADS)
+            length = tl.load(cache_lens + row)
+            cache_row = tl.load(cache_rows + row).to(tl.int64)
             best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
             total = tl.zeros((GROUP_PAD,), tl.float32)
             acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        # A tile past the new token's slot loads nothing and changes nothing (the shipped kernel skips it).
-        slots = (split * TILES + tile) * CHUNK + tl.arange(0, CHUNK)
-        written = slots <= length
-        cache = (cache_row * stride_cache_row + kv_head * stride_cache_head + slots[:, None] * stride_cache_slot
-                 + dims[None, :])
-        readable = tl.load(attendable + row * stride_attendable + slots, mask=written, other=0) != 0
-        k = tl.load(keys + cache, mask=readable[:, None], other=0.0).to(queries.dtype)
-        v = tl.load(values + cache, mask=readable[:, None], other=0.0)
-        scores = tl.dot(queries, tl.trans(k)).to(tl.float32) * scale
-        scores = tl.where(readable[None, :], scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, axis=1))
-        base = tl.where(new_best == float("-inf"), 0.0, new_best)
-        weights = tl.exp(scores - base[:, None])
-        correction = tl.exp(best - base)
-        any_written = (split * TILES + tile) * CHUNK <= length
-        total = tl.where(any_written, total * correction + tl.sum(weights, axis=1), total)
-        acc = tl.where(any_written, acc * correction[:, None] + tl.dot(weights, v.to(tl.float32)), acc)
-        best = tl.where(any_written, new_best, best)
-        if tile == TILES - 1:
+            for tile in range(0, tl.minimum(TILES, tl.cdiv(length + 1 - split * TILES * CHUNK, CHUNK))):
+                best, total, acc = _tile(q, keys, values, attendable, scale, row, kv_head, split, tile, length,
+                                         cache_row, best, total, acc, stride_cache_row, stride_cache_head,
+                                         stride_cache_slot, stride_attendable, CHUNK, TILES, GROUP, GROUP_PAD,
+                                         KV_HEADS, HEAD_DIM)
             part = ((row * KV_HEADS + kv_head) * SPLITS + split) * GROUP + group
             tl.store(part_out + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=live[:, None])
             tl.store(part_max + part, best, mask=live)
@@ -91,9 +121,9 @@ def _persistent_kernel(
 
 
 def persistent_attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, scale, tiles=None,
-                         programs_per_sm=4):
+                         programs_per_sm=4, flat=True):
     """`decode_attention` with the splits walked by a fixed grid of `programs_per_sm` programs an SM (the same split
-    rule, partials and merge)."""
+    rule, partials and merge; `flat`: see `_persistent_kernel`)."""
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -108,7 +138,7 @@ def persistent_attention(q, keys, values, cache_lens, attendable, cache_rows, kv
            q, keys, values, cache_lens, attendable, cache_rows, part_out, part_max, part_sum, scale,
            keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0), items,
            splits, CHUNK=CHUNK, TILES=tiles, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-           KV_HEADS=kv_heads, HEAD_DIM=head_dim)
+           KV_HEADS=kv_heads, HEAD_DIM=head_dim, FLAT=flat)
     out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
     launch(_merge_kernel, (rows * heads,), part_out, part_max, part_sum, out, splits, GROUP=group,
            HEAD_DIM=head_dim, MERGE_BLOCK=MERGE_BLOCK)
@@ -132,8 +162,8 @@ def check() -> None:
     padding, a parked row, cache rows out of order, unwritten slots holding NaN, 1 to 3 tiles a split, grids smaller
     and larger than the work."""
     generator = torch.Generator().manual_seed(0)
-    for (rows, kv_len, slots), tiles, per_sm in itertools.product(((3, 64, 64), (5, 256, 320), (2, 1024, 1024)),
-                                                                  (1, 3), (1, 8)):
+    for (rows, kv_len, slots), tiles, per_sm, flat in itertools.product(
+            ((3, 64, 64), (5, 256, 320), (2, 1024, 1024)), (1, 3), (1, 8), (True, False)):
         q, keys, values, cache_lens, attendable, cache_rows = operands(rows, kv_len, 1, "cpu", generator, slots,
                                                                        torch.float32)
         cache_lens = torch.randint(0, kv_len, (rows,), generator=generator)
@@ -144,8 +174,9 @@ def check() -> None:
             keys[cache_rows[row], :, length + 1:] = float("nan")
             values[cache_rows[row], :, length + 1:] = float("nan")
         args = (q, keys, values, cache_lens, attendable, cache_rows, kv_len, DIM**-0.5, tiles)
-        expected, got = decode_attention(*args), persistent_attention(*args, programs_per_sm=per_sm)
-        print(f"rows {rows} kv_len {kv_len} tiles {tiles} programs an SM {per_sm}: equal {torch.equal(got, expected)}")
+        expected, got = decode_attention(*args), persistent_attention(*args, programs_per_sm=per_sm, flat=flat)
+        print(f"rows {rows} kv_len {kv_len} tiles {tiles} programs an SM {per_sm} flat {flat}: "
+              f"equal {torch.equal(got, expected)}")
         assert torch.equal(got, expected)
 
 
@@ -170,7 +201,9 @@ def main() -> None:
         return check()
     harness.require_cuda()
     forms = {"shipped": decode_attention,
-             **{f"persistent {n} an SM": partial(persistent_attention, programs_per_sm=n) for n in args.programs_per_sm}}
+             **{f"persistent {'flat' if flat else 'by item'} {n} an SM":
+                partial(persistent_attention, programs_per_sm=n, flat=flat)
+                for flat, n in itertools.product((True, False), args.programs_per_sm)}}
     generator = torch.Generator(device="cuda").manual_seed(0)
     alone, step = [], []
     for rows, kv_len, length in SHAPES:
