@@ -27,7 +27,10 @@ for variant in ${VARIANTS}; do
   seconds=$(left)
   if [ "$seconds" -lt 120 ]; then echo "== $index $variant skipped: $seconds s left" | tee -a "$log"; continue; fi
   [ "$seconds" -gt 260 ] && seconds=260
-  echo "== $index $variant: bench --server ${args[*]} (timeout $seconds s) $(date +%T)" | tee -a "$log"
+  # `git archive` writes the commit into the tar's pax header: each run names the code it ran.
+  commit=$(python3 -c 'import sys, tarfile; print(tarfile.open(sys.argv[1]).pax_headers.get("comment", "?"))' \
+    "$trees/$tree.tar")
+  echo "== $index $variant (commit $commit): bench --server ${args[*]} (timeout $seconds s) $(date +%T)" | tee -a "$log"
   (cd "$dir" && env "${envs[@]}" PYTHONPATH="$site:$dir" timeout "$seconds" python3 -m qwen3vl_static bench --server \
     --out "$out/$index-$tree" "${args[@]}" 2>&1 \
     | grep -E '^\{"run": "second"|answers_equal|wrote|Error|error|Traceback' | tee -a "$log")
