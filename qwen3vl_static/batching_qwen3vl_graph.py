@@ -570,8 +570,9 @@ class GraphBatchingManager:
             prefilling = [sequence for sequence in scheduler.running.values() if sequence.prefilling]
             busy = len(prefilling) < len(scheduler.running)
             decoding_count = sum(sequence.decoding for sequence in scheduler.running.values())
-            if prefilling or not gathers(scheduler.waiting, decoding_count, self.max_prefill_tokens,
-                                         time.perf_counter()):
+            # Only a turn with a free row holds anyone back (without one, none would enter anyway).
+            if prefilling or not scheduler.free or not gathers(scheduler.waiting, decoding_count,
+                                                               self.max_prefill_tokens, time.perf_counter()):
                 entered = prefilling[:1] or scheduler.schedule(_encoded if busy else None)
             else:
                 entered = []
