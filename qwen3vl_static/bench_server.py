@@ -28,6 +28,7 @@ import os
 import queue
 import re
 import resource
+import signal
 import socket
 import statistics
 import subprocess
@@ -209,6 +210,10 @@ def run_clients(base: str, bodies: list, concurrency: int, headers: dict | None 
         started = on_start() if on_start is not None else None
         go.set()
         shares = [_next_message(messages, workers) for _ in workers]
+    except BaseException:  # interrupted (or a client failed): the others stop now, not after their requests
+        for worker in workers:
+            worker.kill()
+        raise
     finally:
         for worker in workers:
             worker.join(timeout=10)
@@ -365,6 +370,23 @@ def process_cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + sum(map(process_cpu_s, children))
 
 
+class terminated_as_exit:
+    """Within it, SIGTERM (`timeout`'s, a job scheduler's) raises SystemExit in the main thread instead of ending the
+    process at once, so that `finally` blocks stop the server and the client processes it started: otherwise they go
+    on serving and loading the machine after the benchmark is gone."""
+
+    def __enter__(self):
+        self.before = signal.signal(signal.SIGTERM, self._exit)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGTERM, self.before)
+
+    @staticmethod
+    def _exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+
 def stop_server(process: subprocess.Popen, timeout: float = 60) -> None:
     """SIGTERM to a server started with `Popen`, which drains and exits; killed if it has not within `timeout` s."""
     process.terminate()
@@ -439,46 +461,47 @@ def server_rows(args) -> dict:
     with tempfile.NamedTemporaryFile(prefix="bench-server-", suffix=".log", delete=False) as file:
         log = Path(file.name)
     rows, first_level_answers = [], None
-    with log.open("w") as sink:
-        child = ["--port", str(port), "--model", args.model, "--kv-cache-dtype", args.kv_cache_dtype]
-        if args.server_api_server_count:
-            child += ["--api-server-count", str(args.server_api_server_count)]
-        if args.server_max_prefill_tokens:
-            child += ["--max-prefill-tokens", str(args.server_max_prefill_tokens)]
-        if args.server_warmup:
-            child += ["--warmup"]
-        process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static.bench_server", *child], stdout=sink,
-                                   stderr=subprocess.STDOUT)
-    try:
-        began = time.perf_counter()
-        wait_until_up(base, process, log)
-        start_s = time.perf_counter() - began
-        for run in ("first", "second"):
-            for level in levels:
-                bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
-                # The server's counters from when the clients start.
-                answers, seconds, client_cpu, (server_cpu, counters, logged) = run_clients(
-                    base, bodies, level, processes=args.server_client_processes,
-                    on_start=lambda: (process_cpu_s(process.pid), metrics(base), log.stat().st_size))
-                # Cores busy on average: a client process near 1 is the measurement's own limit; the server's are its
-                # processes' together (the engine's alone: engine_cores_busy, from /metrics).
-                cores = {"client_processes": len(client_cpu), "client_cores_busy": sum(client_cpu) / seconds,
-                         "client_cores_busy_most": max(client_cpu) / seconds,
-                         "server_cores_busy": (process_cpu_s(process.pid) - server_cpu) / seconds}
-                row = {"run": run, "concurrency": level, **summarize(answers, seconds), **cores,
-                       **batch_counters(counters, metrics(base), seconds)}
-                with log.open("rb") as file:  # what the server logged during the row: its requests' lines
-                    file.seek(logged)
-                    logged_text = file.read().decode(errors="replace")
-                    row |= server_split(logged_text, row["ttft_ms_p50"]) | gc_pauses_logged(logged_text)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                if run == "second" and level == levels[0]:
-                    first_level_answers = answers
-    finally:
-        stopping = time.perf_counter()
-        stop_server(process)
-        stop_s = time.perf_counter() - stopping
+    with terminated_as_exit():  # a SIGTERM stops the server and the clients before the benchmark ends
+        with log.open("w") as sink:
+            child = ["--port", str(port), "--model", args.model, "--kv-cache-dtype", args.kv_cache_dtype]
+            if args.server_api_server_count:
+                child += ["--api-server-count", str(args.server_api_server_count)]
+            if args.server_max_prefill_tokens:
+                child += ["--max-prefill-tokens", str(args.server_max_prefill_tokens)]
+            if args.server_warmup:
+                child += ["--warmup"]
+            process = subprocess.Popen([sys.executable, "-m", "qwen3vl_static.bench_server", *child], stdout=sink,
+                                       stderr=subprocess.STDOUT)
+        try:
+            began = time.perf_counter()
+            wait_until_up(base, process, log)
+            start_s = time.perf_counter() - began
+            for run in ("first", "second"):
+                for level in levels:
+                    bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
+                    # The server's counters from when the clients start.
+                    answers, seconds, client_cpu, (server_cpu, counters, logged) = run_clients(
+                        base, bodies, level, processes=args.server_client_processes,
+                        on_start=lambda: (process_cpu_s(process.pid), metrics(base), log.stat().st_size))
+                    # Cores busy on average: a client process near 1 is the measurement's own limit; the server's are
+                    # its processes' together (the engine's alone: engine_cores_busy, from /metrics).
+                    cores = {"client_processes": len(client_cpu), "client_cores_busy": sum(client_cpu) / seconds,
+                             "client_cores_busy_most": max(client_cpu) / seconds,
+                             "server_cores_busy": (process_cpu_s(process.pid) - server_cpu) / seconds}
+                    row = {"run": run, "concurrency": level, **summarize(answers, seconds), **cores,
+                           **batch_counters(counters, metrics(base), seconds)}
+                    with log.open("rb") as file:  # what the server logged during the row: its requests' lines
+                        file.seek(logged)
+                        logged_text = file.read().decode(errors="replace")
+                        row |= server_split(logged_text, row["ttft_ms_p50"]) | gc_pauses_logged(logged_text)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if run == "second" and level == levels[0]:
+                        first_level_answers = answers
+        finally:
+            stopping = time.perf_counter()
+            stop_server(process)
+            stop_s = time.perf_counter() - stopping
     checked = list(range(min(counts[levels[0]], MIN_REQUESTS)))  # the first level's first answers
     began = time.perf_counter()
     expected, processor = reference_answers(args.model, urls, checked, args.kv_cache_dtype)

@@ -496,6 +496,34 @@ def test_the_benchmark_clients_raise_what_failed_in_a_client_process():
         run_clients(f"http://127.0.0.1:{port}", bodies, 2, processes=2)
 
 
+def test_a_sigterm_to_the_benchmark_stops_its_server_and_clients_first():
+    """Within `terminated_as_exit`, SIGTERM raises SystemExit where the main thread is (so the benchmark's `finally`
+    stops the server it started); `run_clients` kills its client processes at once when interrupted; the handler
+    before is back afterwards."""
+    import multiprocessing
+
+    from qwen3vl_static import bench_server
+
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = []
+    with pytest.raises(SystemExit) as exit_info, bench_server.terminated_as_exit():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            stopped.append(True)
+    assert exit_info.value.code == 128 + signal.SIGTERM and stopped
+    assert signal.getsignal(signal.SIGTERM) is before
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_clients(f"http://127.0.0.1:{port}", [chat_body(0, "data:,", model=NAME)] * 2, 2, processes=2,
+                    on_start=lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert time.monotonic() - began < 60 and not multiprocessing.active_children()
+
+
 def test_sigterm_lets_the_request_in_flight_finish_then_exits(server, reference):
     """Last: this stops the module's server."""
     text = expected(reference, "Hello there", 200)[0]
