@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -370,21 +371,20 @@ def process_cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") + sum(map(process_cpu_s, children))
 
 
-class terminated_as_exit:
+@contextmanager
+def terminated_as_exit():
     """Within it, SIGTERM (`timeout`'s, a job scheduler's) raises SystemExit in the main thread instead of ending the
     process at once, so that `finally` blocks stop the server and the client processes it started: otherwise they go
     on serving and loading the machine after the benchmark is gone."""
 
-    def __enter__(self):
-        self.before = signal.signal(signal.SIGTERM, self._exit)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGTERM, self.before)
-
-    @staticmethod
-    def _exit(signum, frame):
+    def exit_now(signum, frame):
         raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def stop_server(process: subprocess.Popen, timeout: float = 60) -> None:
