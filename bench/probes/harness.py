@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -64,6 +65,15 @@ def decode_ms(batch, context, static_cache_len=8192, **settings) -> float:
     gc.collect()
     torch.cuda.empty_cache()
     return ms
+
+
+def trace_events(profile) -> list:
+    """The events of a finished `torch.profiler.profile`, as its Chrome trace holds them (each kernel's name, grid,
+    start and duration, which the profiler's own tables do not give per launch)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profile.export_chrome_trace(path)
+        return json.loads(Path(path).read_text())["traceEvents"]
 
 
 def write_json(result: dict, suffix: str = "") -> Path:

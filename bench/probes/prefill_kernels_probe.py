@@ -14,13 +14,12 @@ Run: python bench/probes/prefill_kernels_probe.py [--shapes 8x256 16x256 32x256]
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 from collections import defaultdict
-from pathlib import Path
 
 import torch
+
+import harness
 
 # Kinds of kernel, by name: the first whose words the name holds (lower case).
 KINDS = {
@@ -73,12 +72,8 @@ def profiled_kinds(graph) -> tuple:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         graph.replay()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        profile.export_chrome_trace(path)
-        events = json.loads(Path(path).read_text())["traceEvents"]
     kinds, groups = defaultdict(float), defaultdict(lambda: [0, 0.0])
-    for event in events:
+    for event in harness.trace_events(profile):
         if event.get("cat") == "kernel":
             kinds[kind(event["name"])] += event["dur"]
             group = groups[(event["name"][:70], str(event["args"].get("grid")))]
@@ -89,7 +84,6 @@ def profiled_kinds(graph) -> tuple:
 
 
 def measure(args) -> None:
-    import harness
     from qwen3vl_static.workloads import build_ours
 
     harness.require_cuda()

@@ -15,8 +15,6 @@ kind of kernel.
 import argparse
 import gc
 import json
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,11 +30,7 @@ def kernel_rows(model, prompt) -> tuple:
     """(kernel groups of the decode steps, sorted by attributed time; the attributed ms per step)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         timed_generate(model, prompt, LONG)
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        profile.export_chrome_trace(path)
-        events = json.loads(Path(path).read_text())["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    kernels = sorted((e for e in harness.trace_events(profile) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     groups = defaultdict(lambda: {"count": 0, "duration_us": 0.0, "attributed_us": 0.0})
     previous_end = None
     for event in kernels:

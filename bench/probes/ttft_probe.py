@@ -13,7 +13,6 @@ import argparse
 import cProfile
 import json
 import pstats
-import tempfile
 import time
 from contextlib import contextmanager
 from functools import partial
@@ -109,9 +108,7 @@ def timeline(call, gap_us=20.0) -> dict:
                                 with_stack=True) as prof:
         call()
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-        prof.export_chrome_trace(trace.name)
-        events = [event for event in json.load(open(trace.name))["traceEvents"] if event.get("ph") == "X"]
+    events = [event for event in harness.trace_events(prof) if event.get("ph") == "X"]
     gpu_kinds = ("kernel", "gpu_memcpy", "gpu_memset")
     gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in gpu_kinds)
     python = [e for e in events if e.get("cat") == "python_function"]
