@@ -343,6 +343,7 @@ class GraphBatchingManager:
         self._spans = deque()  # (stat, CUDA event before, after) of GPU time not in `stats` yet (`_count_spans`)
         self._last_chunk = None  # (its end event, its requests' sequences) of the last decode chunk timed
         self._side_work = SideWork(None)  # the batch's (`_loop`)
+        self._tower_stream = None  # where `_encode` runs the tower (`_loop`; None: the current stream)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -559,6 +560,9 @@ class GraphBatchingManager:
         in_flight, streaming_steps = deque(), StreamingSteps(runner.steps_per_sync)
         timed = engine.device.type == "cuda"
         side = engine.capturer.side_stream() if timed else None  # where prefills run, beside the decode chunks
+        # Experiment: the tower on a stream of its own, so that a prefill waits for its own requests' features only,
+        # not behind the tower's work for the requests after it (its graphs have a pool and counters of their own).
+        self._tower_stream = torch.cuda.Stream() if timed else None
         side_work = self._side_work = SideWork(side)
         prefilled = []  # `_Prefilled` prompts whose rows do not decode yet
         while True:
@@ -716,14 +720,14 @@ class GraphBatchingManager:
                     self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
 
     def _encode(self, sequences: list, engine, ahead: bool) -> None:
-        """The vision tower over `sequences`' images and videos in one call, on the side stream (a CUDA device): each
-        sequence's share of the features becomes its `media`, done when `media_done` is (`_media_of` waits); its
+        """The vision tower over `sequences`' images and videos in one call, on the tower's stream (a CUDA device):
+        each sequence's share of the features becomes its `media`, done when `media_done` is (`_media_of` waits); its
         pixels leave it. `ahead`: beside a decode chunk, not at their admission (counted apart)."""
         if not sequences:
             return
         device = engine.device
-        side = engine.capturer.side_stream() if device.type == "cuda" else None
-        with torch.cuda.stream(side) if side is not None else nullcontext():
+        tower = self._tower_stream if device.type == "cuda" else None
+        with torch.cuda.stream(tower) if tower is not None else nullcontext():
             joined = {}
             for key in JOINED_INPUTS:  # each copied on its own (no join on the host), then joined on the device
                 parts = [_to_device_but_grids(key, sequence.prompt[key], device) for sequence in sequences
@@ -733,7 +737,7 @@ class GraphBatchingManager:
                     if key == "pixel_values" and self.pixel_transform is not None:
                         joined[key] = self.pixel_transform(joined[key])
             media = media_features(self.model, joined)
-            done = _event() if side is not None else None
+            done = _event() if tower is not None else None
         unit = self.model.config.vision_config.spatial_merge_size ** 2
         shares = [[] for _ in sequences]
         for kind, token, features, deepstack in media:
@@ -759,7 +763,7 @@ class GraphBatchingManager:
             for done in {id(sequence.media_done): sequence.media_done for sequence in sequences
                          if sequence.media_done is not None}.values():
                 stream.wait_event(done)
-            for sequence in sequences:  # made on the side stream, read here: not reused until this stream is done
+            for sequence in sequences:  # made on the tower's stream, read here: not reused until this one is done
                 for _, _, features, layers in sequence.media or ():
                     for tensor in (features, *layers):
                         tensor.record_stream(stream)
