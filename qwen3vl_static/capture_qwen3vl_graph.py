@@ -37,6 +37,7 @@ class GraphCapturer:
         self.pool = None
         self.pool_graphs = weakref.WeakSet()  # the graphs captured into `pool` that are still alive
         self.stream = None  # one side stream: each new stream would get its own cuBLAS workspace
+        self.tower = None  # and one for continuous batching's tower (`tower_stream`)
         self.streams_of = streams_of  # the capturer whose side stream this one shares
         # The stream its graphs are captured on, its own: cuBLAS bakes the workspace of the capturing stream into a
         # graph, and two capturers' graphs may replay at once (the tower's beside the decode step's).
@@ -84,6 +85,16 @@ class GraphCapturer:
         if self.stream is None:
             self.stream = torch.cuda.Stream()
         return self.stream
+
+    def tower_stream(self) -> torch.cuda.Stream:
+        """A second stream beside the default one, made once (each new stream would get its own cuBLAS workspace):
+        continuous batching runs the vision tower on it, so that its prefills on the side stream wait only for the
+        features they take."""
+        if self.streams_of is not None:
+            return self.streams_of.tower_stream()
+        if self.tower is None:
+            self.tower = torch.cuda.Stream()
+        return self.tower
 
     @staticmethod
     @contextmanager
