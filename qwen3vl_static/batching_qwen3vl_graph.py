@@ -103,6 +103,11 @@ TOWER_TOKENS_PER_FEATURE = 1.25
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 MAX_SLOTS = 512  # past this many rows a step's KV reads grow with the rows and tokens/s no longer does
 LONG_STALL_MS = 10  # a gap between decode chunks this long holds every decoding stream's next token as long
+# While requests stream, a turn's own host work (taking requests in, encoding their media ahead) stops after this long,
+# at least one request and one group of media done: the tokens of the chunk queued a turn before reach their clients
+# only after it, so a wave of arrivals is spread over several turns instead of holding every stream's next token.
+TURN_HOST_S = 0.003
+MEDIA_AHEAD_GROUP = 4  # requests whose media one tower call encodes ahead while a turn's host time is bounded
 # Streaming requests that arrive while many rows decode wait a moment to enter together: each prefill beside the
 # decode steps slows every decoding row for as long as it runs, and a prefill of a few prompts costs nearly as much as
 # one of many. They wait until they hold this share of a prefill budget or the oldest has waited GATHER_S, and only
@@ -638,9 +643,10 @@ class GraphBatchingManager:
                 self.stats["eager_prefills"] += engine.prefill.eager_runs - eager
                 self.stats["prefills_beside"] += len(launched) if decoding else 0
             began = time.perf_counter()
-            self._take_in(scheduler, engine, wait=False)  # on the host while the GPU runs what was just queued
+            until = began + TURN_HOST_S if decoding and streams else None
+            self._take_in(scheduler, engine, wait=False, until=until)  # while the GPU runs what was just queued
             taken = time.perf_counter()
-            self._media_ahead(scheduler, engine)
+            self._media_ahead(scheduler, engine, until)
             self.stats["take_in_ms"] += 1000 * (taken - began)
             self.stats["media_ahead_host_ms"] += 1000 * (time.perf_counter() - taken)
             if decoding:  # the chunk's steps run beside what the side stream holds, this turn's prefills and tower too
@@ -652,13 +658,15 @@ class GraphBatchingManager:
                 self._count_spans(wait=True)
                 return
 
-    def _take_in(self, scheduler, engine, wait: bool) -> None:
+    def _take_in(self, scheduler, engine, wait: bool, until: float | None = None) -> None:
         """New requests into the scheduler, each checked (a bad one fails here, alone), while the waiting ones' prompts
         hold fewer than `AHEAD_BUDGETS` prefill budgets (what the next admissions and the media ahead look at): a long
         queue is checked a little each turn, while the GPU runs a chunk, not all of it before the first admission.
-        Then cancellations (`wait`: for the first request, a moment)."""
-        waiting = sum(sequence.prompt_len for sequence in scheduler.waiting)
-        while waiting < AHEAD_BUDGETS * self.max_prefill_tokens:
+        Then cancellations (`wait`: for the first request, a moment; `until`: a `perf_counter` time past which no
+        further request is taken in this turn)."""
+        waiting, taken = sum(sequence.prompt_len for sequence in scheduler.waiting), 0
+        while waiting < AHEAD_BUDGETS * self.max_prefill_tokens and not (
+                taken and until is not None and time.perf_counter() > until):
             try:
                 item = self.input_queue.get(timeout=0.05) if wait else self.input_queue.get_nowait()
             except queue.Empty:
@@ -676,6 +684,7 @@ class GraphBatchingManager:
             sequence.taken_in = time.perf_counter()
             scheduler.add(sequence)
             waiting += sequence.prompt_len
+            taken += 1
         while True:
             try:
                 request_id = self._cancelled.get_nowait()
@@ -704,20 +713,26 @@ class GraphBatchingManager:
         output.status, output.error = RequestStatus.FAILED, error
         self._deliver(Sequence(output, {}, None, 0, streaming=streaming), final=True)
 
-    def _media_ahead(self, scheduler, engine) -> None:
+    def _media_ahead(self, scheduler, engine, until: float | None = None) -> None:
         """The images and videos of the requests next in line (`AHEAD_BUDGETS` prefill budgets) encoded now, on the
         model's side stream while the GPU runs the decode chunk just queued: their prefill then starts from the
-        features. A request whose media cannot be encoded fails alone."""
+        features. `until`: a `perf_counter` time past which no further group of `MEDIA_AHEAD_GROUP` requests is
+        encoded this turn (else all in one call). A request whose media cannot be encoded fails alone."""
         upcoming = scheduler.upcoming(AHEAD_BUDGETS * self.max_prefill_tokens)
         pending = [sequence for sequence in upcoming if _unencoded(sequence)]
-        try:
-            self._encode(pending, engine, ahead=True)
-        except Exception:  # noqa: BLE001 - one by one: only a bad request fails
-            for sequence in pending:
-                try:
-                    self._encode([sequence], engine, ahead=True)
-                except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
-                    self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
+        group = len(pending) if until is None else MEDIA_AHEAD_GROUP
+        for first in range(0, len(pending), max(group, 1)):
+            if first and time.perf_counter() > until:
+                return
+            part = pending[first:first + group]
+            try:
+                self._encode(part, engine, ahead=True)
+            except Exception:  # noqa: BLE001 - one by one: only a bad request fails
+                for sequence in part:
+                    try:
+                        self._encode([sequence], engine, ahead=True)
+                    except Exception as error:  # noqa: BLE001 - this request's result names it; the others go on
+                        self._end(sequence, scheduler, RequestStatus.FAILED, f"{type(error).__name__}: {error}")
 
     def _encode(self, sequences: list, engine, ahead: bool) -> None:
         """The vision tower over `sequences`' images and videos in one call, on the tower's stream (a CUDA device):

@@ -138,6 +138,37 @@ def test_a_long_queue_is_taken_in_a_little_each_turn_and_a_queued_request_can_be
         expected[:9] + expected[10:])
 
 
+def test_a_turn_past_its_host_time_takes_in_one_request_and_encodes_one_group_ahead(monkeypatch):
+    """Past the turn's `until` (requests stream beside decoding rows), `_take_in` checks one more queued request and
+    `_media_ahead` encodes one more group of `MEDIA_AHEAD_GROUP` requests' media, leaving the rest for the next turns:
+    a wave of arrivals is spread over several turns. Without `until`, as many as the budgets hold, in one call."""
+    import qwen3vl_static.batching_qwen3vl_graph as batching
+    from qwen3vl_static.scheduler_qwen3vl_graph import Scheduler
+
+    ours, stock = new_pair(max_batch_size=16)
+    requests, _ = requests_and_expected(stock, 6, lengths=[4] * 6, cases=[CASES[0]])
+    manager = ours.init_continuous_batching(max_prefill_tokens=16 * requests[0]["input_ids"].shape[1])
+    calls, encode = [], batching.media_features
+    monkeypatch.setattr(batching, "media_features",
+                        lambda model, inputs: calls.append(inputs["image_grid_thw"].shape[0]) or encode(model, inputs))
+    monkeypatch.setattr(batching, "MEDIA_AHEAD_GROUP", 2)
+    manager.add_requests(requests)
+    engine = ours.graph_engine()
+    scheduler = Scheduler(engine.cache.rows, manager.max_prefill_tokens)
+    manager._take_in(scheduler, engine, wait=False, until=0.0)
+    manager._take_in(scheduler, engine, wait=False, until=0.0)
+    assert len(scheduler.waiting) == 2
+    manager._media_ahead(scheduler, engine, until=0.0)
+    assert calls == [2]
+    manager._take_in(scheduler, engine, wait=False)
+    assert len(scheduler.waiting) == 6
+    manager._media_ahead(scheduler, engine, until=0.0)
+    assert calls == [2, 2]
+    manager._media_ahead(scheduler, engine)
+    assert calls == [2, 2, 2]
+    assert not any(batching._unencoded(sequence) for sequence in scheduler.waiting)
+
+
 def test_an_admission_runs_as_pieces_that_replay_prefill_graphs():
     """Seven text prompts of two lengths entering together, where prefill graphs exist for 1, 2, 4 and 8 rows, prompts
     up to 128 tokens and 512 tokens in all: a batch of 7 would run eagerly (a graph of 8 rows would write its padding
