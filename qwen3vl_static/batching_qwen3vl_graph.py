@@ -565,8 +565,8 @@ class GraphBatchingManager:
         in_flight, streaming_steps = deque(), StreamingSteps(runner.steps_per_sync)
         timed = engine.device.type == "cuda"
         side = engine.capturer.side_stream() if timed else None  # where prefills run, beside the decode chunks
-        # Experiment: the tower on a stream of its own, so that a prefill waits for its own requests' features only,
-        # not behind the tower's work for the requests after it (its graphs have a pool and counters of their own).
+        # The tower on a stream of its own: a prefill waits for its own requests' features only, not behind the
+        # tower's work for the requests after it (its graphs have a pool and counters of their own).
         self._tower_stream = engine.capturer.tower_stream() if timed else None
         side_work = self._side_work = SideWork(side)
         prefilled = []  # `_Prefilled` prompts whose rows do not decode yet
