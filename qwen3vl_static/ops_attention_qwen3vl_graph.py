@@ -34,6 +34,7 @@ MERGE_BLOCK = 32  # splits merged per step of flash-decoding's merge
 MAX_SPLITS_PER_ROW = 32
 ONE_TILE_PROGRAMS = 512  # about 4 an SM on an H200
 MAX_PROGRAMS = 2048
+WIDE_TILES_FROM = 4  # a float8 cache's programs of this many tiles or more read tiles of 2 x CHUNK slots
 
 
 def split_tiles(rows: int, kv_heads: int, kv_len: int) -> int:
@@ -54,6 +55,19 @@ def split_tiles(rows: int, kv_heads: int, kv_len: int) -> int:
             break
         tiles *= 2
     return tiles
+
+
+def tile_slots(tiles: int, cache_bytes: int) -> tuple[int, int]:
+    """(slots a tile, tiles a program) for a flash-decoding program given `tiles` tiles of CHUNK slots over a cache of
+    `cache_bytes`-byte values. A float8 cache's tile of CHUNK slots is half a 16-bit cache's bytes: where a program
+    spans WIDE_TILES_FROM tiles or more, it reads the same slots in half as many tiles of twice the slots, as many
+    bytes a load as a 16-bit tile (on an H100 at 336 of 512 slots, per layer: 256 rows 120 us against 138, 512 rows
+    225 against 269, a 16-bit cache 150 and 274; batch 1 at 7,880 of 8,192 slots 22.1 against 23.0; at 64 rows, 2
+    tiles, 43.5 against 41.6, so kept; a 16-bit cache's tiles of twice the slots are slower everywhere;
+    `kv_dtype_probe.py` in git history)."""
+    if cache_bytes == 1 and tiles >= WIDE_TILES_FROM:
+        return 2 * CHUNK, tiles // 2
+    return CHUNK, tiles
 
 
 def attention_context_reference(attendable, cache_rows, cache_lens, kv_len, dtype):
@@ -176,23 +190,24 @@ def attention_context(attendable, cache_rows, cache_lens, kv_len, dtype):
 
 
 def decode_attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, scale, tiles: int | None = None):
-    """`decode_attention_reference` as flash-decoding in two launches: splits of `tiles` chunks of the cache (by
-    default `split_tiles`), then their merge; `attendable` and `cache_rows` from `attention_context`. (Fusing
+    """`decode_attention_reference` as flash-decoding in two launches: splits of `tiles` chunks of CHUNK slots of the
+    cache (by default `split_tiles`; a float8 cache's as `tile_slots` says), then their merge; `attendable` and
+    `cache_rows` from `attention_context`. (Fusing
     QK-norm/RoPE/KV write into the splits' launch, and the merge into their last programs, makes the whole step
     slower at every batch size on an H200; so do, under PDL, the write inside the splits' launch and, at batch 1, the
     merge inside o_proj's matmul, merging each head as its K step loads it.)"""
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    tiles = tiles or split_tiles(rows, kv_heads, kv_len)
-    splits = triton.cdiv(kv_len, CHUNK * tiles)
+    chunk, tiles = tile_slots(tiles or split_tiles(rows, kv_heads, kv_len), keys.element_size())
+    splits = triton.cdiv(kv_len, chunk * tiles)
     part_out = torch.empty(rows * heads * splits, head_dim, dtype=torch.float32, device=q.device)
     part_max = torch.empty(rows * heads * splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     launch(_decode_attention_kernel, (rows, kv_heads, splits),
         q, keys, values, cache_lens, attendable, cache_rows, part_out, part_max, part_sum, scale,
         keys.stride(0), keys.stride(1), keys.stride(2), attendable.stride(0),
-        splits, CHUNK=CHUNK, TILES=tiles, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        splits, CHUNK=chunk, TILES=tiles, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim,
     )
     out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)

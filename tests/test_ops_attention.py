@@ -29,8 +29,9 @@ def test_decode_attention_writes_the_new_token_and_reads_only_written_slots(dtyp
     slot it must not read (unwritten, the new token's own slot included until it is written) or attend to (left
     padding) holds NaN, so using one poisons the output; only each row's new slot may change. Rows read and write the
     cache rows they are given (a permutation with a row left out), not their own. Programs of 1 to 4 tiles of 64
-    slots (a split past the new token's slot has nothing to read). The cache holds the model's dtype or float8
-    (`kv_cache_dtype="fp8"`: the new K/V rounded to it, every slot widened as it is read)."""
+    slots (a split past the new token's slot has nothing to read; a float8 cache's 4 are 2 of 128, `tile_slots`). The
+    cache holds the model's dtype or float8 (`kv_cache_dtype="fp8"`: the new K/V rounded to it, every slot widened as
+    it is read)."""
     monkeypatch.setattr(ops_attention_qwen3vl_graph, "split_tiles", lambda rows, kv_heads, kv_len: tiles)
     rows, heads, kv_heads, dim, capacity, hidden = 3, 4, 2, 32, 160, 64
     x, qkv_weight = randn(rows, hidden, dtype=dtype), randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype) / 8
@@ -83,3 +84,13 @@ def test_split_tiles_follow_the_cache_and_batch():
     assert [split_tiles(rows, 8, kv_len) for rows, kv_len in [(8, 1024), (16, 1024), (4, 2048)]] == [2, 2, 2]
     assert [split_tiles(rows, 8, kv_len) for rows, kv_len in [(1, 8192), (8, 4096), (64, 512), (8, 8192)]] == [4, 2, 2, 4]
     assert split_tiles(64, 8, 64) == 1 and split_tiles(4096, 8, 256) == 4
+
+
+def test_a_float8_cache_reads_tiles_of_twice_the_slots_where_a_program_spans_four_or_more():
+    """The same slots a program: a float8 cache's programs of 4 or more 64-slot tiles read half as many of 128 slots;
+    shorter programs, and every program over a 16-bit cache, keep 64-slot tiles."""
+    from qwen3vl_static.ops_attention_qwen3vl_graph import tile_slots
+
+    assert [tile_slots(tiles, 1) for tiles in (1, 2, 3, 4, 8, 16)] == [(64, 1), (64, 2), (64, 3), (128, 2), (128, 4),
+                                                                      (128, 8)]
+    assert [tile_slots(tiles, 2) for tiles in (1, 4, 8)] == [(64, 1), (64, 4), (64, 8)]
