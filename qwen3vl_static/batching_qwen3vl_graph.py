@@ -715,7 +715,7 @@ class GraphBatchingManager:
 
     def _media_ahead(self, scheduler, engine, until: float | None = None) -> None:
         """The images and videos of the requests next in line (`AHEAD_BUDGETS` prefill budgets) encoded now, on the
-        model's side stream while the GPU runs the decode chunk just queued: their prefill then starts from the
+        tower's stream while the GPU runs the decode chunk just queued: their prefill then starts from the
         features. `until`: a `perf_counter` time past which no further group of `MEDIA_AHEAD_GROUP` requests is
         encoded this turn (else all in one call). A request whose media cannot be encoded fails alone."""
         upcoming = scheduler.upcoming(AHEAD_BUDGETS * self.max_prefill_tokens)

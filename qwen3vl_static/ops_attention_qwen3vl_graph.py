@@ -192,10 +192,10 @@ def attention_context(attendable, cache_rows, cache_lens, kv_len, dtype):
 def decode_attention(q, keys, values, cache_lens, attendable, cache_rows, kv_len, scale, tiles: int | None = None):
     """`decode_attention_reference` as flash-decoding in two launches: splits of `tiles` chunks of CHUNK slots of the
     cache (by default `split_tiles`; a float8 cache's as `tile_slots` says), then their merge; `attendable` and
-    `cache_rows` from `attention_context`. (Fusing
-    QK-norm/RoPE/KV write into the splits' launch, and the merge into their last programs, makes the whole step
-    slower at every batch size on an H200; so do, under PDL, the write inside the splits' launch and, at batch 1, the
-    merge inside o_proj's matmul, merging each head as its K step loads it.)"""
+    `cache_rows` from `attention_context`. (Fusing QK-norm/RoPE/KV write into the splits' launch, and the merge into
+    their last programs, makes the whole step slower at every batch size on an H200; so do, under PDL, the write
+    inside the splits' launch and, at batch 1, the merge inside o_proj's matmul, merging each head as its K step loads
+    it.)"""
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
