@@ -6,13 +6,17 @@ A tiny model on the CPU with the decode and prefill forwards stubbed out (a logi
 steps' sampling and bookkeeping stay), `--requests` text prompts of `--prompt-tokens` random ids and the benchmark's
 answer lengths (geometric, mean 128, 1..512, EOS off, greedy), through `generate_all` at `--rows` rows with the
 benchmark's cache length and prefill budget. Reported: wall seconds (median of `--runs`), the batch's chunks and
-prefills, and with `--profile` the functions that took the most of the batch thread's time in one more run
+prefills, the decode steps by batch bucket (the schedule's shape: how many steps run below the full rows, the ramp
+and the tail), the decode GPU time that schedule comes to at the H200's measured step times (`STEP_MS`, arithmetic,
+not a measurement), and with `--profile` the functions that took the most of the batch thread's time in one more run
 (cProfile, by own time and by cumulative time). CPU only.
 
 Usage: python bench/probes/batch_host_probe.py [--requests 2048] [--rows 512] [--runs 3] [--profile]
 """
 
 import argparse
+import bisect
+import collections
 import cProfile
 import io
 import pstats
@@ -31,9 +35,24 @@ from qwen3vl_static.presets import tiny_config
 from qwen3vl_static.workloads import generate_exactly_as_asked
 
 TOKEN = 5  # what the stubbed forwards draw: not an EOS id (EOS is off anyway)
+# The 2B's bf16 decode step on one H200 by batch bucket, ms (static cache, ~300-slot contexts: README and
+# docs/design.md); buckets between them interpolated linearly in rows.
+STEP_MS = {1: 1.38, 8: 1.61, 64: 2.40, 256: 4.80, 512: 8.69}
+steps_by_batch = collections.Counter()  # decode steps by batch bucket, as the stubbed forward meets them
+
+
+def step_ms(rows: int) -> float:
+    """`STEP_MS` at `rows`, interpolated between its neighbours."""
+    sizes = sorted(STEP_MS)
+    if rows in STEP_MS:
+        return STEP_MS[rows]
+    upper = bisect.bisect(sizes, rows)
+    low, high = sizes[upper - 1], sizes[upper]
+    return STEP_MS[low] + (STEP_MS[high] - STEP_MS[low]) * (rows - low) / (high - low)
 
 
 def stubbed_decode(self, rows: int, kv_len: int, record=()) -> torch.Tensor:
+    steps_by_batch[rows] += 1
     logits = torch.zeros(rows, self.text.lm_head.shape[0])
     logits[:, TOKEN] = 1.0
     return logits
@@ -60,13 +79,17 @@ def one_run(args, profile: cProfile.Profile | None = None) -> dict:
     if profile is not None:  # the batch's own thread, where its host work runs
         run = manager._run
         manager._run = lambda: (profile.enable(), run(), profile.disable())
+    steps_by_batch.clear()
     began = time.perf_counter()
     results = manager.generate_all(requests, progress_bar=False)
     seconds = time.perf_counter() - began
     assert [len(result.generated_tokens) for result in results.values()] == lengths
     stats = manager.stats
     return {"seconds": seconds, "chunks": stats["chunks"], "steps": stats["steps"], "prefills": stats["prefills"],
-            "take_in_ms": stats["take_in_ms"], "admit_host_ms": stats["admit_host_ms"]}
+            "take_in_ms": stats["take_in_ms"], "admit_host_ms": stats["admit_host_ms"],
+            "decode_steps_by_batch": dict(sorted(steps_by_batch.items(), reverse=True)),
+            "decode_gpu_s_at_step_ms": sum(count * step_ms(rows) for rows, count in steps_by_batch.items()) / 1000,
+            "decode_gpu_s_all_full": sum(lengths) / args.rows * step_ms(args.rows) / 1000}
 
 
 def top(profile: cProfile.Profile, key: str, count: int = 25) -> str:
@@ -83,6 +106,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    if not 1 <= args.rows <= max(STEP_MS):
+        parser.error(f"--rows must be 1 to {max(STEP_MS)} (the batch's most rows, and STEP_MS's)")
     torch.set_num_threads(1)
     DecodeRunner.forward = stubbed_decode
     PrefillRunner.forward = stubbed_prefill
