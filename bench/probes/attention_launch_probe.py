@@ -2,8 +2,8 @@
 
 The decode attention kernels alone (2B heads) on the shapes where the step spends most in attention (batch 64 at 336
 of 512 slots: about a third of its 2.77 ms step; long contexts), at the shipped settings (`split_tiles`' tiles of
-64 slots, 4 warps, 3 stages) and at tiles of 128 slots, twice the tiles per program, 2 or 8 warps and 1 or 2 stages,
-timed as the tuner times a candidate. Reports microseconds, the K/V bandwidth and each form's largest difference from
+64 slots, 4 warps, 3 stages; a float8 cache's 128-slot tiles where `tile_slots` says) and at tiles of 128 or 256
+slots, twice the tiles per program, 2 or 8 warps and 1 or 2 stages, timed as the tuner times a candidate. Reports microseconds, the K/V bandwidth and each form's largest difference from
 the shipped form. `--shapes ROWS:KV_LEN:LENGTH ...` measures other shapes (e.g. the benchmark's decode, 512-token
 prompts in the 1024-slot bucket: 1:1024:576 8:1024:576). `--kv-cache-dtype fp8` reads a float8 cache (the opt-in
 `kv_cache_dtype`), half the bytes: the bandwidth counts the bytes read.
@@ -61,7 +61,8 @@ def measure(rows, kv_len, length, generator, kv_dtype=torch.bfloat16) -> dict:
     tiles = split_tiles(rows, KV_HEADS, kv_len)
     forms = {"shipped": lambda: decode_attention(*operands, kv_len, DIM**-0.5)}
     for (chunk, form_tiles), warps, stages in itertools.product(
-            ((CHUNK, tiles), (CHUNK, 2 * tiles), (2 * CHUNK, max(1, tiles // 2)), (2 * CHUNK, tiles)), (2, 4, 8), (1, 2, 3)):
+            ((CHUNK, tiles), (CHUNK, 2 * tiles), (2 * CHUNK, max(1, tiles // 2)), (2 * CHUNK, tiles),
+             (4 * CHUNK, max(1, tiles // 4))), (2, 4, 8), (1, 2, 3)):
         forms[f"chunk {chunk} tiles {form_tiles} warps {warps} stages {stages}"] = (
             lambda chunk=chunk, form_tiles=form_tiles, warps=warps, stages=stages:
             attention(*operands, kv_len, chunk, form_tiles, warps, stages))
