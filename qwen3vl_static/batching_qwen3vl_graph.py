@@ -348,7 +348,6 @@ class GraphBatchingManager:
         self._spans = deque()  # (stat, CUDA event before, after) of GPU time not in `stats` yet (`_count_spans`)
         self._last_chunk = None  # (its end event, its requests' sequences) of the last decode chunk timed
         self._side_work = SideWork(None)  # the batch's (`_loop`)
-        self._tower_stream = None  # where `_encode` runs the tower (`_loop`; None: the current stream)
 
     # -- transformers' manager API --------------------------------------------------------------------------
 
@@ -565,9 +564,6 @@ class GraphBatchingManager:
         in_flight, streaming_steps = deque(), StreamingSteps(runner.steps_per_sync)
         timed = engine.device.type == "cuda"
         side = engine.capturer.side_stream() if timed else None  # where prefills run, beside the decode chunks
-        # The tower on a stream of its own: a prefill waits for its own requests' features only, not behind the
-        # tower's work for the requests after it (its graphs have a pool and counters of their own).
-        self._tower_stream = engine.capturer.tower_stream() if timed else None
         side_work = self._side_work = SideWork(side)
         prefilled = []  # `_Prefilled` prompts whose rows do not decode yet
         while True:
@@ -737,11 +733,13 @@ class GraphBatchingManager:
     def _encode(self, sequences: list, engine, ahead: bool) -> None:
         """The vision tower over `sequences`' images and videos in one call, on the tower's stream (a CUDA device):
         each sequence's share of the features becomes its `media`, done when `media_done` is (`_media_of` waits); its
-        pixels leave it. `ahead`: beside a decode chunk, not at their admission (counted apart)."""
+        pixels leave it. `ahead`: beside a decode chunk, not at their admission (counted apart). The tower has a
+        stream of its own, so that a prefill waits for its own requests' features only, not behind the tower's work
+        for the requests after it (its graphs have a pool and counters of their own)."""
         if not sequences:
             return
         device = engine.device
-        tower = self._tower_stream if device.type == "cuda" else None
+        tower = engine.capturer.tower_stream() if device.type == "cuda" else None
         with torch.cuda.stream(tower) if tower is not None else nullcontext():
             joined = {}
             for key in JOINED_INPUTS:  # each copied on its own (no join on the host), then joined on the device

@@ -36,9 +36,8 @@ class GraphCapturer:
     def __init__(self, streams_of: "GraphCapturer | None" = None):
         self.pool = None
         self.pool_graphs = weakref.WeakSet()  # the graphs captured into `pool` that are still alive
-        self.stream = None  # one side stream: each new stream would get its own cuBLAS workspace
-        self.tower = None  # and one for continuous batching's tower (`tower_stream`)
-        self.streams_of = streams_of  # the capturer whose side stream this one shares
+        self.streams = {}  # one stream per role, made once: each new stream would get its own cuBLAS workspace
+        self.streams_of = streams_of  # the capturer whose streams this one shares
         # The stream its graphs are captured on, its own: cuBLAS bakes the workspace of the capturing stream into a
         # graph, and two capturers' graphs may replay at once (the tower's beside the decode step's).
         self.capture_stream = None
@@ -80,21 +79,20 @@ class GraphCapturer:
     def side_stream(self) -> torch.cuda.Stream:
         """The model's one stream beside the default one: captures warm up on it, and the vision tower runs ahead on
         it (`VisionRunner.encode_ahead`)."""
-        if self.streams_of is not None:
-            return self.streams_of.side_stream()
-        if self.stream is None:
-            self.stream = torch.cuda.Stream()
-        return self.stream
+        return self._stream("side")
 
     def tower_stream(self) -> torch.cuda.Stream:
-        """A second stream beside the default one, made once (each new stream would get its own cuBLAS workspace):
-        continuous batching runs the vision tower on it, so that its prefills on the side stream wait only for the
-        features they take."""
+        """A second stream beside the default one: continuous batching runs the vision tower on it, so that its
+        prefills on the side stream wait only for the features they take."""
+        return self._stream("tower")
+
+    def _stream(self, role: str) -> torch.cuda.Stream:
+        """The model's stream for `role`, made once, shared with `streams_of`."""
         if self.streams_of is not None:
-            return self.streams_of.tower_stream()
-        if self.tower is None:
-            self.tower = torch.cuda.Stream()
-        return self.tower
+            return self.streams_of._stream(role)
+        if role not in self.streams:
+            self.streams[role] = torch.cuda.Stream()
+        return self.streams[role]
 
     @staticmethod
     @contextmanager
