@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "the plain decode step, at K = 1..7 draft tokens")
     bench.add_argument("--out", type=Path, default=Path("bench/results"),
                        help="folder for the JSON (and PNG) results (default: bench/results)")
-    bench.set_defaults(run=_bench)
+    bench.set_defaults(check=_check_bench, run=_bench)
     return parser
 
 
@@ -350,6 +350,20 @@ def _run(args) -> int:
         raise RuntimeError(f"requests failed: {failed}, answered: {answered}; the error records are in {args.output} "
                            "and the same command again retries them")
     return 0
+
+
+def _check_bench(args) -> None:
+    """`--batching-only`, `--server` and `--speculative` each measure only their own part: one at a time, and without
+    the flags of the measurements they leave out (which would otherwise be ignored without a word)."""
+    alone = [flag for flag, given in (("--batching-only", args.batching_only), ("--server", args.server),
+                                      ("--speculative", args.speculative)) if given]
+    if len(alone) > 1:
+        raise ValueError(f"{' and '.join(alone)} each measure only their own part: choose one")
+    unused = [flag for flag, given in (("--fp8", args.fp8), ("--with-compile", args.with_compile),
+                                       ("--serving", args.serving)) if given]
+    if alone and unused:
+        raise ValueError(f"{', '.join(unused)}: not measured with {alone[0]}, which measures only its own part "
+                         "(drop it, or leave out " + alone[0] + " for the full benchmark)")
 
 
 def _check_serve(args) -> None:

@@ -117,6 +117,17 @@ def test_counts_must_be_positive(capsys):
     assert exit.value.code == 2 and "--slots: must be at least 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--batching-only", "--fp8"], "--fp8: not measured with --batching-only"),
+    (["--server", "--serving", "--with-compile"], "--with-compile, --serving: not measured with --server"),
+    (["--batching-only", "--speculative"], "--batching-only and --speculative each measure only their own part"),
+])
+def test_bench_refuses_flags_its_measurement_would_ignore(monkeypatch, capsys, flags, message):
+    monkeypatch.setattr("qwen3vl_static.cli._bench", lambda args: pytest.fail("the benchmark ran"))
+    assert main(["bench", *flags]) == 1
+    assert message in capsys.readouterr().err
+
+
 def test_tiny_writes_a_converted_checkpoint_that_run_answers_from(tiny, tmp_path):
     assert json.loads((tiny / "config.json").read_text())["model_type"] == Qwen3VLGraphConfig.model_type
     processor = load_processor(tiny)  # tokenizer and image processor
