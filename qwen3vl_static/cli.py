@@ -363,7 +363,7 @@ def _check_bench(args) -> None:
                                        ("--serving", args.serving)) if given]
     if alone and unused:
         raise ValueError(f"{', '.join(unused)}: not measured with {alone[0]}, which measures only its own part "
-                         "(drop it, or leave out " + alone[0] + " for the full benchmark)")
+                         f"(drop it, or leave out {alone[0]} for the full benchmark)")
 
 
 def _check_serve(args) -> None:
