@@ -22,6 +22,7 @@ import torch
 import transformers
 
 from .bench_batching import batching
+from .bench_server import SPREAD, server_rows
 from .compat_qwen3vl_graph import CACHE_KWARG, returned_cache
 from .presets import real_generation_config
 from .workloads import (
@@ -325,9 +326,7 @@ def run(args) -> dict:
 
         return {**about, "speculative": speculative_rows(args)}
     if args.server:
-        from .bench_server import server_rows  # needs the serve extra
-
-        return {**about, "server": server_rows(args)}
+        return {**about, "server": server_rows(args)}  # needs the serve extra: serve runs in a process of its own
     ours, stock = build_models(device, dtype, args.model, **settings)
     generator = torch.Generator().manual_seed(0)
     prompts = {batch: text_prompt(ours.config, batch, args.context, device, generator) for batch in args.batch_sizes}
@@ -426,6 +425,12 @@ def report(summary, out_dir: Path) -> Path:
                                      "engine_cores_busy", "host_wait_share", "server_read_and_render_ms_p50",
                                      "engine_first_token_ms_p50", "server_first_text_ms_p50",
                                      "ttft_outside_server_ms", "answers_as_asked"])
+        if "spread" in server:
+            print(f"each concurrency over its {server['measured_passes']} measured passes, median (least-greatest):")
+            print(" | ".join(("concurrency", *SPREAD)))
+            for level in server["spread"]:
+                print(" | ".join((str(level["concurrency"]), *(f"{level[f'{key}_median']:.3f} ({level[f'{key}_min']:.3f}"
+                                                                f"-{level[f'{key}_max']:.3f})" for key in SPREAD))))
         for key, value in server.items():
             if "_generate" in key:
                 print(f"{key}: {value}")
@@ -513,14 +518,26 @@ def plot(summary, path) -> None:
         ax.invert_yaxis()
         ax.set(xlabel="useful tokens/s", xscale="log", title="many requests, answers of uneven lengths")
     if server:
-        ax, rows = axes["server"], [row for row in server if row["run"] == "second"]
-        levels = [row["concurrency"] for row in rows]
-        ax.plot(levels, [row["output_tokens_per_s"] for row in rows], marker="o", color="C0")
+        # Each concurrency's median over the measured passes, bars from the least to the greatest.
+        spread = summary["server"].get("spread") or [
+            {"concurrency": row["concurrency"], **{f"{key}_{end}": row[key] for key in SPREAD
+                                                   for end in ("median", "min", "max")}}
+            for row in server if row["run"] == "second"]
+        ax, levels = axes["server"], [level["concurrency"] for level in spread]
+
+        def bars(key):
+            medians = [level[f"{key}_median"] for level in spread]
+            return medians, [[m - level[f"{key}_min"] for m, level in zip(medians, spread)],
+                             [level[f"{key}_max"] - m for m, level in zip(medians, spread)]]
+
+        medians, extent = bars("output_tokens_per_s")
+        ax.errorbar(levels, medians, yerr=extent, marker="o", color="C0", capsize=3)
         ax.set(xlabel="concurrent streaming clients", ylabel="output tokens/s", xscale="log",
                title=f"{title}: OpenAI server over HTTP")
         latency = ax.twinx()
         for key, style in (("itl_ms_p50", "--"), ("itl_ms_p99", ":")):
-            latency.plot(levels, [row[key] for row in rows], style, marker=".", color="C1", label=key)
+            medians, extent = bars(key)
+            latency.errorbar(levels, medians, yerr=extent, fmt=style, marker=".", color="C1", capsize=3, label=key)
         latency.set(ylabel="inter-token latency, ms", yscale="log")
         latency.legend(loc="upper left")
     if speculative:

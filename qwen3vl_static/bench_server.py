@@ -6,8 +6,9 @@ preset's shapes with random weights (seed 0), EOS off, and a processor whose tok
 chat completion after another (a closed loop at each concurrency): a 448x448 JPEG as a data URL and a
 QUESTION_TOKENS-token question, NEW_TOKENS new tokens, greedy. Past CLIENTS_PER_PROCESS clients they run in processes of
 their own, that many to a process (`client_processes`), so that no client's event loop is busy enough to delay what
-it measures. Every concurrency runs twice in a row: the first
-pass meets the graph captures and kernel measurements on the way, the second runs on them; both are reported.
+it measures. The concurrencies run in passes: the first pass meets the graph captures and kernel measurements on
+the way, the later ones (`--server-passes`, default one) run on them; every pass is reported, and past one later pass
+each concurrency's median and range over them (`pass_spread`).
 
 Reported per concurrency: TTFT (request sent to its first text, HTTP and image decoding included), inter-token latency
 (between a stream's text chunks, as vLLM's benchmark counts it; with the tokens per chunk beside it), time per output
@@ -52,6 +53,8 @@ MIN_REQUESTS = 16
 IMAGE_SIDE = 448
 QUESTION_TOKENS = 30
 NEW_TOKENS = 128
+# The row figures whose median and range over the measured passes `pass_spread` gives.
+SPREAD = ("output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tpot_ms_p50")
 NAME = "qwen3vl-static-bench"
 START_TIMEOUT_S = 900  # the server builds its model first
 CLIENTS_PER_PROCESS = 16  # streaming clients per client process (`client_processes`)
@@ -271,6 +274,24 @@ def summarize(answers: list, seconds: float, new_tokens: int = NEW_TOKENS) -> di
                                     for answer, count in zip(answers, tokens))}
 
 
+def pass_spread(rows: list) -> list:
+    """Per concurrency, in the order met, the median, least and greatest of each SPREAD figure over its measured
+    passes (the rows whose `run` is "second"; the first pass meets the captures and is left out)."""
+    by_level = {}
+    for row in rows:
+        if row["run"] == "second":
+            by_level.setdefault(row["concurrency"], []).append(row)
+    spread = []
+    for level, measured in by_level.items():
+        figures = {"concurrency": level, "passes": len(measured)}
+        for key in SPREAD:
+            values = [row[key] for row in measured]
+            figures |= {f"{key}_median": statistics.median(values), f"{key}_min": min(values),
+                        f"{key}_max": max(values)}
+        spread.append(figures)
+    return spread
+
+
 def server_split(log: str, ttft_ms_p50: float) -> dict:
     """A row's time to first token split by the server's log lines of its requests (`log`: what the server logged
     during the row), p50 / p99 each: a request's read and render in its HTTP process, the engine's taking it, its first
@@ -476,7 +497,7 @@ def server_rows(args) -> dict:
             began = time.perf_counter()
             wait_until_up(base, process, log)
             start_s = time.perf_counter() - began
-            for run in ("first", "second"):
+            for number, run in enumerate(("first",) + ("second",) * args.server_passes, start=1):
                 for level in levels:
                     bodies = [chat_body(index, urls[index]) for index in range(counts[level])]
                     # The server's counters from when the clients start.
@@ -488,7 +509,7 @@ def server_rows(args) -> dict:
                     cores = {"client_processes": len(client_cpu), "client_cores_busy": sum(client_cpu) / seconds,
                              "client_cores_busy_most": max(client_cpu) / seconds,
                              "server_cores_busy": (process_cpu_s(process.pid) - server_cpu) / seconds}
-                    row = {"run": run, "concurrency": level, **summarize(answers, seconds), **cores,
+                    row = {"run": run, "pass": number, "concurrency": level, **summarize(answers, seconds), **cores,
                            **batch_counters(counters, metrics(base), seconds)}
                     with log.open("rb") as file:  # what the server logged during the row: its requests' lines
                         file.seek(logged)
@@ -496,7 +517,7 @@ def server_rows(args) -> dict:
                         row |= server_split(logged_text, row["ttft_ms_p50"]) | gc_pauses_logged(logged_text)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    if run == "second" and level == levels[0]:
+                    if number == 2 and level == levels[0]:
                         first_level_answers = answers
         finally:
             stopping = time.perf_counter()
@@ -514,12 +535,14 @@ def server_rows(args) -> dict:
     text = log.read_text()
     http_processes, render_threads = served_processes(text)
     # Where a run's fixed time goes, beside the passes: the server's start and its drain at SIGTERM, the reference.
-    return {"rows": rows, "server_start_s": start_s, "server_start_split": start_split(text), "server_stop_s": stop_s,
+    spread = {"spread": pass_spread(rows)} if args.server_passes > 1 else {}
+    return {"rows": rows, **spread, "server_start_s": start_s, "server_start_split": start_split(text), "server_stop_s": stop_s,
             "reference_s": reference_s,
             "server_log_tail": text[-4000:],
             f"concurrency_{levels[0]}_answers_equal_generate": f"{agreeing.count(NEW_TOKENS)}/{len(agreeing)}",
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,
             "kv_cache_dtype": args.kv_cache_dtype, "requests_per_client": args.server_requests_per_client,
+            "measured_passes": args.server_passes,
             "max_prefill_tokens": args.server_max_prefill_tokens or "serve's default",
             "http_processes": http_processes, "render_threads_per_http_process": render_threads,
             "warmup": args.server_warmup,

@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--server-requests-per-client", type=positive_int, default=4,
                        help="requests each --server client sends, one after another (default: 4; each concurrency "
                             "sends at least 16 in all)")
+    bench.add_argument("--server-passes", type=positive_int, default=1,
+                       help="--server passes over the concurrencies after the first (which meets graph captures and "
+                            "kernel measurements); past 1, each concurrency's median and range over them (default: 1)")
     bench.add_argument("--server-client-processes", type=positive_int,
                        help="processes the --server clients run in (default: one per 16 clients, at most half the "
                             "cores; 1: every client in the bench's own process)")

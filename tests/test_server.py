@@ -4,6 +4,7 @@ whole answer; concurrent requests equal the same requests one by one; a disconne
 OpenAI-style error and the server goes on; SIGTERM lets the request in flight finish, then exits cleanly (last)."""
 
 import base64
+import importlib.util
 import io
 import json
 import os
@@ -25,7 +26,9 @@ from conftest import image, save_stock_checkpoint
 from openai import BadRequestError, OpenAI
 
 from qwen3vl_static.batching_qwen3vl_graph import prompt_position_ids
-from qwen3vl_static.bench_server import (batch_counters, chat_body, metrics, run_clients, served_processes, server_split,
+from qwen3vl_static.bench import report
+from qwen3vl_static.bench_server import (SPREAD, batch_counters, chat_body, metrics, pass_spread, run_clients,
+                                         served_processes, server_split,
                                          start_split, summarize)
 from qwen3vl_static.convert import convert
 from qwen3vl_static.dataset_runner import load_processor
@@ -494,6 +497,30 @@ def test_the_benchmark_clients_raise_what_failed_in_a_client_process():
     bodies = [chat_body(index, "data:,", model=NAME) for index in range(2)]
     with pytest.raises(RuntimeError, match="a client process failed: ConnectError"):
         run_clients(f"http://127.0.0.1:{port}", bodies, 2, processes=2)
+
+
+def test_the_benchmark_gives_each_concurrency_its_median_and_range_over_the_measured_passes(tmp_path, capsys):
+    """`bench --server --server-passes 3`: per concurrency, each figure's median, least and greatest over the three
+    measured passes, the first pass (graph captures on the way) left out; printed, written and drawn."""
+    def row(run, number, level, tokens_per_s):
+        return {"run": run, "pass": number, "concurrency": level,
+                **{key: tokens_per_s if key == "output_tokens_per_s" else tokens_per_s / 1000 for key in SPREAD}}
+
+    rows = [row("first", 1, 1, 90.0), row("first", 1, 64, 900.0)]
+    for number, (one, many) in enumerate([(500.0, 13000.0), (520.0, 12000.0), (510.0, 14000.0)], start=2):
+        rows += [row("second", number, 1, one), row("second", number, 64, many)]
+    spread = pass_spread(rows)
+    assert [(level["concurrency"], level["passes"]) for level in spread] == [(1, 3), (64, 3)]
+    assert (spread[0]["output_tokens_per_s_median"], spread[0]["output_tokens_per_s_min"],
+            spread[0]["output_tokens_per_s_max"]) == (510.0, 500.0, 520.0)
+    assert (spread[1]["itl_ms_p99_median"], spread[1]["itl_ms_p99_min"], spread[1]["itl_ms_p99_max"]) == (13.0, 12.0, 14.0)
+    summary = {"device": "NVIDIA H200", "date": "2026-12-06", "model": "2b",
+               "server": {"rows": rows, "spread": spread, "measured_passes": 3}}
+    path = report(summary, tmp_path)
+    assert path.name == "nvidia-h200-server-20261206.json" and json.loads(path.read_text()) == summary
+    printed = capsys.readouterr().out
+    assert "over its 3 measured passes" in printed and "64 | 13000.000 (12000.000-14000.000) |" in printed
+    assert path.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)  # drawn with it
 
 
 def test_a_sigterm_to_the_benchmark_stops_its_server_and_clients_first():
