@@ -357,7 +357,8 @@ def _run(args) -> int:
 
 def _check_bench(args) -> None:
     """`--batching-only`, `--server` and `--speculative` each measure only their own part: one at a time, and without
-    the flags of the measurements they leave out (which would otherwise be ignored without a word)."""
+    the flags of the measurements they leave out; and a measurement's own flags (`--server-passes`) only with it.
+    Otherwise those flags would be ignored without a word."""
     alone = [flag for flag, given in (("--batching-only", args.batching_only), ("--server", args.server),
                                       ("--speculative", args.speculative)) if given]
     if len(alone) > 1:
@@ -367,6 +368,13 @@ def _check_bench(args) -> None:
     if alone and unused:
         raise ValueError(f"{', '.join(unused)}: not measured with {alone[0]}, which measures only its own part "
                          f"(drop it, or leave out {alone[0]} for the full benchmark)")
+    defaults = vars(build_parser().parse_args(["bench"]))
+    for prefix, owner, given in (("server_", "--server", args.server),
+                                 ("batching_", "--batching or --batching-only", args.batching or args.batching_only)):
+        stray = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                 if name.startswith(prefix) and name != "batching_only" and value != defaults[name]]
+        if stray and not given:
+            raise ValueError(f"{', '.join(stray)}: read only by {owner} (add it, or drop them)")
 
 
 def _check_serve(args) -> None:

@@ -121,11 +121,21 @@ def test_counts_must_be_positive(capsys):
     (["--batching-only", "--fp8"], "--fp8: not measured with --batching-only"),
     (["--server", "--serving", "--with-compile"], "--with-compile, --serving: not measured with --server"),
     (["--batching-only", "--speculative"], "--batching-only and --speculative each measure only their own part"),
+    (["--server-passes", "3", "--server-concurrency", "64"], "--server-concurrency, --server-passes: read only by --server"),
+    (["--speculative", "--batching-slots", "128"], "--batching-slots: read only by --batching or --batching-only"),
 ])
 def test_bench_refuses_flags_its_measurement_would_ignore(monkeypatch, capsys, flags, message):
     monkeypatch.setattr("qwen3vl_static.cli._bench", lambda args: pytest.fail("the benchmark ran"))
     assert main(["bench", *flags]) == 1
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [[], ["--server", "--server-passes", "3"], ["--batching", "--batching-slots", "128"],
+                                   ["--batching-only", "--batching-workloads", "text"]])
+def test_bench_takes_a_measurements_flags_with_it(monkeypatch, flags):
+    ran = []
+    monkeypatch.setattr("qwen3vl_static.cli._bench", lambda args: ran.append(args) or 0)
+    assert main(["bench", *flags]) == 0 and len(ran) == 1
 
 
 def test_tiny_writes_a_converted_checkpoint_that_run_answers_from(tiny, tmp_path):
