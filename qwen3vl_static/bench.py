@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from .bench_batching import batching
-from .bench_server import SPREAD, server_rows
+from .bench_server import SPREAD, pass_spread, server_rows
 from .compat_qwen3vl_graph import CACHE_KWARG, returned_cache
 from .presets import real_generation_config
 from .workloads import (
@@ -429,8 +429,9 @@ def report(summary, out_dir: Path) -> Path:
             print(f"each concurrency over its {server['measured_passes']} measured passes, median (least-greatest):")
             print(" | ".join(("concurrency", *SPREAD)))
             for level in server["spread"]:
-                print(" | ".join((str(level["concurrency"]), *(f"{level[f'{key}_median']:.3f} ({level[f'{key}_min']:.3f}"
-                                                                f"-{level[f'{key}_max']:.3f})" for key in SPREAD))))
+                figures = (f"{level[key + '_median']:.3f} ({level[key + '_min']:.3f}-{level[key + '_max']:.3f})"
+                           for key in SPREAD)
+                print(" | ".join((str(level["concurrency"]), *figures)))
         for key, value in server.items():
             if "_generate" in key:
                 print(f"{key}: {value}")
@@ -519,10 +520,7 @@ def plot(summary, path) -> None:
         ax.set(xlabel="useful tokens/s", xscale="log", title="many requests, answers of uneven lengths")
     if server:
         # Each concurrency's median over the measured passes, bars from the least to the greatest.
-        spread = summary["server"].get("spread") or [
-            {"concurrency": row["concurrency"], **{f"{key}_{end}": row[key] for key in SPREAD
-                                                   for end in ("median", "min", "max")}}
-            for row in server if row["run"] == "second"]
+        spread = pass_spread(server)
         ax, levels = axes["server"], [level["concurrency"] for level in spread]
 
         def bars(key):

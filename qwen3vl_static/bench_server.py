@@ -536,8 +536,8 @@ def server_rows(args) -> dict:
     http_processes, render_threads = served_processes(text)
     # Where a run's fixed time goes, beside the passes: the server's start and its drain at SIGTERM, the reference.
     spread = {"spread": pass_spread(rows)} if args.server_passes > 1 else {}
-    return {"rows": rows, **spread, "server_start_s": start_s, "server_start_split": start_split(text), "server_stop_s": stop_s,
-            "reference_s": reference_s,
+    return {"rows": rows, **spread, "server_start_s": start_s, "server_start_split": start_split(text),
+            "server_stop_s": stop_s, "reference_s": reference_s,
             "server_log_tail": text[-4000:],
             f"concurrency_{levels[0]}_answers_equal_generate": f"{agreeing.count(NEW_TOKENS)}/{len(agreeing)}",
             f"concurrency_{levels[0]}_tokens_agreeing_with_generate": agreeing,

@@ -121,7 +121,8 @@ def test_counts_must_be_positive(capsys):
     (["--batching-only", "--fp8"], "--fp8: not measured with --batching-only"),
     (["--server", "--serving", "--with-compile"], "--with-compile, --serving: not measured with --server"),
     (["--batching-only", "--speculative"], "--batching-only and --speculative each measure only their own part"),
-    (["--server-passes", "3", "--server-concurrency", "64"], "--server-concurrency, --server-passes: read only by --server"),
+    (["--server-passes", "3", "--server-concurrency", "64"],
+     "--server-concurrency, --server-passes: read only by --server"),
     (["--speculative", "--batching-slots", "128"], "--batching-slots: read only by --batching or --batching-only"),
 ])
 def test_bench_refuses_flags_its_measurement_would_ignore(monkeypatch, capsys, flags, message):
