@@ -427,11 +427,9 @@ def report(summary, out_dir: Path) -> Path:
                                      "ttft_outside_server_ms", "answers_as_asked"])
         if "spread" in server:
             print(f"each concurrency over its {server['measured_passes']} measured passes, median (least-greatest):")
-            print(" | ".join(("concurrency", *SPREAD)))
-            for level in server["spread"]:
-                figures = (f"{level[key + '_median']:.3f} ({level[key + '_min']:.3f}-{level[key + '_max']:.3f})"
-                           for key in SPREAD)
-                print(" | ".join((str(level["concurrency"]), *figures)))
+            print_table([{"concurrency": level["concurrency"],
+                          **{key: f"{level[key + '_median']:.3f} ({level[key + '_min']:.3f}-{level[key + '_max']:.3f})"
+                             for key in SPREAD}} for level in server["spread"]], ["concurrency", *SPREAD])
         for key, value in server.items():
             if "_generate" in key:
                 print(f"{key}: {value}")
